@@ -1,0 +1,24 @@
+"""funshard: fully-sharded data parallelism for PyTorch as pure functions over pytrees.
+
+    >>> import funshard as fs
+    >>> mesh = fs.make_mesh(shard=2)
+    >>> sparams = fs.shard(fs.params(model), mesh)
+    >>> full = fs.unshard(sparams)
+"""
+
+from . import collectives, optim, pytree
+from .collectives import reduce_grads
+from .pytree import params
+from .shard import make_mesh, reshard, shard, unshard
+
+__all__ = [
+    "collectives",
+    "make_mesh",
+    "optim",
+    "params",
+    "pytree",
+    "reduce_grads",
+    "reshard",
+    "shard",
+    "unshard",
+]

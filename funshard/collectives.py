@@ -1,0 +1,450 @@
+"""Bucketed collectives over a mesh: one all-gather, one reduce-scatter per bucket.
+
+A bucket is a list of sharded leaves on one mesh. Gathering copies every local shard into
+one flat byte buffer (each shard padded to ``ceil(rows / world)`` rows, as
+``distribute_tensor`` pads), all-gathers it once on the mesh's ``"shard"`` dimension and
+splits it back into full tensors. Reducing chunks every full gradient into the same
+layout, reduce-scatters it once on ``"shard"``, all-reduces the result once on
+``"replicate"`` (2-D meshes) and divides by the number of data-parallel ranks.
+
+    >>> layouts = [layout_of("w", w_dt)]                 # w_dt: DTensor (7, 3), Shard(0)
+    >>> (full,) = all_gather(layouts, [w_dt._local_tensor]).wait()   # (7, 3)
+    >>> (g_local,) = reduce_scatter(layouts, [grad_full])            # (3, 3) on rank 0 of 3
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from . import pytree
+
+SHARD = "shard"
+REPLICATE = "replicate"
+_ALIGN = 16  # bytes; every rank's segment of a byte buffer is a multiple of this
+
+
+def mesh_str(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    dims = ", ".join(f"{n!r}: {s}" for n, s in zip(names, mesh.shape))
+    return f"DeviceMesh({dims}; {mesh.device_type})"
+
+
+def shard_dim(mesh: DeviceMesh, *, where: str = "") -> int:
+    """Index of the mesh's ``"shard"`` dimension; ValueError naming the mesh if absent."""
+    names = mesh.mesh_dim_names or ()
+    if SHARD not in names:
+        raise ValueError(
+            f"{where}mesh {mesh_str(mesh)} has no {SHARD!r} dimension; funshard shards over a "
+            f"mesh dimension named {SHARD!r} (and replicates over {REPLICATE!r}). Build the mesh "
+            "with fs.make_mesh(shard=..., replicate=...)."
+        )
+    for name in names:
+        if name not in (SHARD, REPLICATE):
+            raise ValueError(
+                f"{where}mesh {mesh_str(mesh)} has a dimension {name!r}; funshard meshes have only "
+                f"{REPLICATE!r} and {SHARD!r} dimensions. Build the mesh with fs.make_mesh(...)."
+            )
+    return names.index(SHARD)
+
+
+class Layout(NamedTuple):
+    """Where one leaf's local shard sits in its global tensor (uneven dim 0 included)."""
+
+    path: str
+    shape: torch.Size  # global shape
+    dtype: torch.dtype
+    sharded: bool  # Shard(0) on "shard"; else replicated everywhere
+    world: int  # size of the "shard" mesh dimension
+    rank: int  # this rank's coordinate on "shard"
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def chunk(self) -> int:
+        """Rows per rank, padded: ``ceil(rows / world)``, as ``torch.chunk`` splits."""
+        return -(-self.rows // self.world) if self.sharded else self.rows
+
+    @property
+    def start(self) -> int:
+        return min(self.rows, self.rank * self.chunk) if self.sharded else 0
+
+    @property
+    def local_rows(self) -> int:
+        if not self.sharded:
+            return self.rows
+        return min(self.rows, (self.rank + 1) * self.chunk) - self.start
+
+    @property
+    def local_shape(self) -> torch.Size:
+        if not self.shape:
+            return self.shape
+        return torch.Size((self.local_rows, *self.shape[1:]))
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of one rank's (padded) chunk."""
+        return self.chunk * self.row_numel
+
+
+def placements_for(mesh: DeviceMesh, ndim: int, how: str) -> tuple:
+    """Placements for a leaf of ``ndim`` dims: ``how`` is ``"shard"`` or ``"replicate"``."""
+    sdim = shard_dim(mesh)
+    out = [Replicate()] * mesh.ndim
+    if how == SHARD and ndim > 0:
+        out[sdim] = Shard(0)
+    return tuple(out)
+
+
+def layout_of(path: str, t: DTensor) -> Layout:
+    """The :class:`Layout` of a DTensor leaf; ValueError for placements funshard can't gather."""
+    mesh = t.device_mesh
+    sdim = shard_dim(mesh, where=f"leaf {path!r}: ")
+    sharded = False
+    for i, p in enumerate(t.placements):
+        name = mesh.mesh_dim_names[i]
+        if i == sdim and isinstance(p, Shard) and p.dim == 0 and t.ndim > 0:
+            sharded = True
+        elif not isinstance(p, Replicate):
+            kind = "a pending reduction" if isinstance(p, Partial) else "a layout"
+            raise ValueError(
+                f"leaf {path!r} of shape {tuple(t.shape)} has placement {p!r} on mesh dimension "
+                f"{name!r} of {mesh_str(mesh)}: {kind} funshard cannot gather. funshard gathers "
+                f"Shard(0) on {SHARD!r} and Replicate() elsewhere; redistribute it first, e.g. "
+                f"t.redistribute(mesh, {list(placements_for(mesh, t.ndim, SHARD))})."
+            )
+    return Layout(path, t.shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim))
+
+
+def local_slice(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """This rank's slice of a full tensor (a view; no copy, no communication)."""
+    return x.narrow(0, lay.start, lay.local_rows) if lay.sharded else x
+
+
+def _groups(mesh: DeviceMesh):
+    names = mesh.mesh_dim_names
+    shard_pg = mesh.get_group(SHARD)
+    rep_pg = mesh.get_group(REPLICATE) if REPLICATE in names else None
+    return shard_pg, rep_pg
+
+
+def _byte_plan(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]):
+    """Order (widest dtype first, so every segment is aligned), byte sizes and row bytes."""
+    order = sorted(
+        (i for i, lay in enumerate(layouts) if lay.padded_numel > 0),
+        key=lambda i: -dtypes[i].itemsize,
+    )
+    sizes = [layouts[i].padded_numel * dtypes[i].itemsize for i in order]
+    total = sum(sizes)
+    pad = -total % _ALIGN
+    return order, sizes, total, pad
+
+
+class Gathered:
+    """An in-flight bucketed all-gather; :meth:`wait` returns the full tensors."""
+
+    def __init__(self, work, buf, layouts, dtypes, plan, device):
+        self._work, self._buf, self._layouts = work, buf, layouts
+        self._dtypes, self._plan, self._device = dtypes, plan, device
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+        layouts, dtypes = self._layouts, self._dtypes
+        order, sizes, total, pad = self._plan
+        outs: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
+        views = []
+        for i in order:
+            lay = layouts[i]
+            padded = torch.empty(
+                (lay.world * lay.chunk, *lay.shape[1:]), dtype=dtypes[i], device=self._device
+            )
+            views.append(padded.view(lay.world, -1).view(torch.uint8))
+            outs[i] = padded if padded.shape[0] == lay.rows else padded[: lay.rows]
+        if order:
+            world = layouts[order[0]].world
+            src = self._buf.view(world, total + pad)[:, :total]
+            torch.split_with_sizes_copy(src, sizes, dim=1, out=views)
+        for i, lay in enumerate(layouts):
+            if outs[i] is None:  # no elements
+                outs[i] = torch.empty(lay.shape, dtype=dtypes[i], device=self._device)
+        self._buf = None
+        return outs
+
+
+def all_gather(
+    layouts: Sequence[Layout],
+    shards: Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    async_op: bool = False,
+) -> Gathered:
+    """One all-gather on ``"shard"`` for all ``shards`` (sharded leaves only).
+
+    Args:
+        layouts: one :class:`Layout` per shard, all ``sharded``.
+        shards: the local shards (``layout.local_shape``).
+        mesh: their mesh.
+        dtypes: gather dtype per leaf (mixed precision casts before the gather).
+        async_op: return before the collective completes; ``wait()`` finishes it.
+    Returns:
+        a :class:`Gathered`; ``.wait()`` -> full tensors in ``layouts`` order.
+    """
+    dtypes = list(dtypes) if dtypes is not None else [s.dtype for s in shards]
+    device = shards[0].device if shards else torch.device(mesh.device_type)
+    plan = _byte_plan(layouts, dtypes)
+    order, sizes, total, pad = plan
+    if not order:
+        return Gathered(None, None, layouts, dtypes, plan, device)
+    world = layouts[order[0]].world
+    inp = torch.empty(total + pad, dtype=torch.uint8, device=device)
+    dst, src = [], []
+    offset = 0
+    for i, size in zip(order, sizes):
+        lay, s = layouts[i], shards[i]
+        n = lay.local_rows * lay.row_numel
+        if n:
+            dst.append(inp[offset : offset + n * dtypes[i].itemsize].view(dtypes[i]))
+            src.append(s.reshape(-1))
+        offset += size
+    if dst:
+        torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
+    if world == 1:  # nothing to gather
+        return Gathered(None, inp, layouts, dtypes, plan, device)
+    out = torch.empty(world * (total + pad), dtype=torch.uint8, device=device)
+    shard_pg, _ = _groups(mesh)
+    work = dist.all_gather_single(out, inp, group=shard_pg, async_op=async_op)
+    return Gathered(work if async_op else None, out, layouts, dtypes, plan, device)
+
+
+def reduce_scatter(
+    layouts: Sequence[Layout],
+    grads: Sequence[torch.Tensor | None],
+    mesh: DeviceMesh,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+    op: str = "mean",
+) -> list[torch.Tensor | None]:
+    """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
+
+    Sharded leaves are reduce-scattered on ``"shard"``, replicated ones all-reduced on
+    ``"shard"``; on a 2-D mesh all results are then all-reduced once on ``"replicate"``.
+    One collective of each kind per reduce dtype. A ``None`` gradient counts as zeros
+    (every rank must take part in the collective); its leaf's result is still returned.
+
+    Args:
+        layouts: one :class:`Layout` per gradient.
+        grads: full-shape gradients, same order.
+        mesh: the mesh of the leaves.
+        reduce_dtype: dtype to reduce in (default: each gradient's own); results come back
+            in the leaf's dtype.
+        op: ``"mean"`` (divide by the number of mesh ranks) or ``"sum"``.
+    Returns:
+        local gradient shards (``layout.local_shape``), ``layouts`` order.
+    """
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    shard_pg, rep_pg = _groups(mesh)
+    world = mesh.size()
+    device = torch.device(mesh.device_type)
+    out: list[torch.Tensor | None] = [None] * len(layouts)
+    # Group leaves by reduce dtype: one collective per kind per dtype.
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, lay in enumerate(layouts):
+        rdt = reduce_dtype or (grads[i].dtype if grads[i] is not None else lay.dtype)
+        by_dtype.setdefault(rdt, []).append(i)
+    for rdt, idx in by_dtype.items():
+        full = []
+        for i in idx:
+            g = grads[i]
+            if g is None:
+                g = torch.zeros(layouts[i].shape, dtype=rdt, device=device)
+            full.append(g.to(rdt))
+        parts = _reduce_one_dtype([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt, device)
+        for i, p in zip(idx, parts):
+            if op == "mean":
+                p.div_(world)
+            out[i] = p.to(layouts[i].dtype)
+    return out
+
+
+def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device):
+    sh = [k for k, lay in enumerate(layouts) if lay.sharded and full[k].numel()]
+    rp = [k for k, lay in enumerate(layouts) if not lay.sharded and full[k].numel()]
+    results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
+    pieces = []
+    if sh:
+        world = layouts[sh[0]].world
+        seg = sum(layouts[k].padded_numel for k in sh)
+        inp = torch.empty(world, seg, dtype=rdt, device=device)
+        torch._chunk_cat([full[k] for k in sh], dim=0, num_chunks=world, out=inp)
+        if world > 1:
+            rs = torch.empty(seg, dtype=rdt, device=device)
+            dist.reduce_scatter_single(rs, inp.view(-1), group=shard_pg)
+        else:
+            rs = inp.view(-1)
+        offset = 0
+        for k in sh:
+            lay = layouts[k]
+            results[k] = rs[offset : offset + lay.local_rows * lay.row_numel].view(lay.local_shape)
+            offset += lay.padded_numel
+        pieces.append(rs)
+    if rp:
+        flat = torch.cat([full[k].reshape(-1) for k in rp])
+        if dist.get_world_size(shard_pg) > 1:
+            dist.all_reduce(flat, group=shard_pg)
+        offset = 0
+        for k in rp:
+            n = full[k].numel()
+            results[k] = flat[offset : offset + n].view(layouts[k].shape)
+            offset += n
+        pieces.append(flat)
+    if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
+        if len(pieces) == 1:
+            dist.all_reduce(pieces[0], group=rep_pg)
+        else:  # one all-reduce for both kinds: reduce a concatenation, copy back
+            both = torch.cat(pieces)
+            dist.all_reduce(both, group=rep_pg)
+            torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
+    for k, lay in enumerate(layouts):
+        if results[k] is None:  # no elements
+            results[k] = torch.zeros(lay.local_shape, dtype=rdt, device=device)
+    return results
+
+
+class _Unshard(torch.autograd.Function):
+    """Shards -> full tensors; backward: full grads -> reduced local shard grads."""
+
+    @staticmethod
+    def forward(ctx, layouts, mesh, dtypes, reduce_dtype, *shards):
+        ctx.layouts, ctx.mesh, ctx.reduce_dtype = layouts, mesh, reduce_dtype
+        ctx.set_materialize_grads(False)
+        gathered = [k for k, lay in enumerate(layouts) if lay.sharded]
+        full = list(shards)
+        if gathered:
+            got = all_gather(
+                [layouts[k] for k in gathered],
+                [shards[k] for k in gathered],
+                mesh,
+                dtypes=[dtypes[k] for k in gathered],
+            ).wait()
+            for k, g in zip(gathered, got):
+                full[k] = g
+        for k, lay in enumerate(layouts):
+            if not lay.sharded:  # replicated: a fresh tensor, cast like the rest
+                full[k] = shards[k].to(dtypes[k], copy=True)
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need = [k for k, flag in enumerate(ctx.needs_input_grad[4:]) if flag]
+        res = [None] * len(ctx.layouts)
+        if need:
+            got = reduce_scatter(
+                [ctx.layouts[k] for k in need],
+                [grads[k] for k in need],
+                ctx.mesh,
+                reduce_dtype=ctx.reduce_dtype,
+            )
+            for k, g in zip(need, got):
+                res[k] = g
+        return (None, None, None, None, *res)
+
+
+def unshard_leaves(
+    layouts: Sequence[Layout],
+    shards: Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Differentiable bucketed gather of local shards (autograd sees one node)."""
+    dtypes = [
+        param_dtype if (param_dtype is not None and s.is_floating_point()) else s.dtype
+        for s in shards
+    ]
+    return list(_Unshard.apply(tuple(layouts), mesh, tuple(dtypes), reduce_dtype, *shards))
+
+
+def as_dtensor(local: torch.Tensor, like: DTensor, *, requires_grad: bool = False) -> DTensor:
+    """Wrap a local shard with ``like``'s mesh, placements and global shape (no comms)."""
+    out = DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+        stride=like.stride(),
+    )
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def describe(tree, *, what: str):
+    """Validate a tree of DTensors; return (mesh, paths, leaves, layouts, spec).
+
+    Every leaf must be a DTensor on one mesh with funshard placements.
+    """
+    paths, leaves, spec = pytree.flatten_with_path(tree)
+    mesh = None
+    first = None
+    layouts = []
+    for p, leaf in zip(paths, leaves):
+        name = pytree.fqn(p)
+        if not isinstance(leaf, DTensor):
+            shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else ""
+            raise TypeError(
+                f"{what}: leaf {name!r}{shape} is a {type(leaf).__name__}, expected a DTensor "
+                f"(a sharded leaf from fs.shard). Shard the tree first: fs.shard(tree, mesh)."
+            )
+        if mesh is None:
+            mesh, first = leaf.device_mesh, name
+        elif leaf.device_mesh != mesh:
+            raise ValueError(
+                f"{what}: leaves {first!r} and {name!r} (shape {tuple(leaf.shape)}) are on "
+                f"different meshes, {mesh_str(mesh)} and {mesh_str(leaf.device_mesh)}; one call "
+                "works on one mesh. Split the tree by mesh, or shard both on the same mesh."
+            )
+        layouts.append(layout_of(name, leaf))
+    return mesh, paths, leaves, layouts, spec
+
+
+def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dtype | None = None):
+    """Per-rank full-shape gradients -> shards of their mean (or sum) over all mesh ranks.
+
+    Args:
+        local_grads: tree of full-shape tensors (or None), ``like``'s structure.
+        like: the sharded tree (DTensors) whose placements the result takes.
+        op: ``"mean"`` (default) or ``"sum"`` over data-parallel ranks.
+        reduce_dtype: reduce in this dtype (e.g. float32 for bf16 grads).
+    Returns:
+        tree of DTensor gradient shards (None where the gradient was None).
+
+    Example: on 2 ranks, ``g`` of shape (7, 3) -> DTensor (7, 3), local (4, 3) / (3, 3).
+    """
+    mesh, paths, likes, layouts, spec = describe(like, what="reduce_grads")
+    gl = pytree.leaves_like(local_grads, like, names=("local_grads", "like"))
+    for lay, g in zip(layouts, gl):
+        if g is not None and tuple(g.shape) != tuple(lay.shape):
+            raise ValueError(
+                f"reduce_grads: gradient {lay.path!r} has shape {tuple(g.shape)} but the "
+                f"parameter has global shape {tuple(lay.shape)} on {mesh_str(mesh)}; pass "
+                "full-shape per-rank gradients (not local shards)."
+            )
+    present = [k for k, g in enumerate(gl) if g is not None]
+    got = reduce_scatter(
+        [layouts[k] for k in present], [gl[k] for k in present], mesh,
+        reduce_dtype=reduce_dtype, op=op,
+    ) if mesh is not None else []
+    out = [None] * len(gl)
+    for k, g in zip(present, got):
+        out[k] = as_dtensor(g, likes[k])
+    return pytree.unflatten(spec, out)

@@ -1,0 +1,195 @@
+"""Pytrees for funshard: optree under the ``"funshard"`` namespace, keyed by FQN strings.
+
+Tensors and DTensors are leaves; dicts, lists, tuples, NamedTuples and ``None`` are nodes.
+Dicts keep their insertion order (``named_parameters()`` order), not sorted order, so
+flattening a parameter dict walks the model front to back.
+
+    >>> paths, leaves, spec = flatten_with_path({"layers": [{"w": w0}, {"w": w1}]})
+    >>> [fqn(p) for p in paths]
+    ['layers.0.w', 'layers.1.w']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import optree
+import torch
+from torch import nn
+
+NAMESPACE = "funshard"
+
+Tree = Any
+Path = tuple
+
+
+class TreeMismatchError(ValueError):
+    """Two trees that must have the same structure do not."""
+
+
+def _ordered():
+    return optree.dict_insertion_ordered(True, namespace=NAMESPACE)
+
+
+def flatten(tree: Tree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves in order and the tree's structure."""
+    with _ordered():
+        return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def flatten_with_path(tree: Tree) -> tuple[list[Path], list[Any], optree.PyTreeSpec]:
+    """Paths (tuples of keys), leaves and structure, in the same order."""
+    with _ordered():
+        return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> Tree:
+    """The inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def leaves(tree: Tree) -> list[Any]:
+    return flatten(tree)[0]
+
+
+def tree_map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
+    """``fn`` over corresponding leaves; ``rest`` must have ``tree``'s structure."""
+    for i, other in enumerate(rest):
+        check_same_structure(tree, other, names=("tree", f"rest[{i}]"))
+    with _ordered():
+        return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def fqn(path: Path) -> str:
+    """``('layers', 3, 'attn.wq')`` -> ``'layers.3.attn.wq'``; the root is ``'<root>'``."""
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
+def fqn_dict(tree: Tree) -> dict[str, Any]:
+    """A flat ``{fqn: leaf}`` dict of any tree; nested keys are joined with dots."""
+    paths, lvs, _ = flatten_with_path(tree)
+    out: dict[str, Any] = {}
+    for p, leaf in zip(paths, lvs):
+        key = fqn(p)
+        if key in out:
+            raise ValueError(
+                f"two leaves flatten to the FQN {key!r}; rename a key so that dotted paths "
+                "are unique"
+            )
+        out[key] = leaf
+    return out
+
+
+def from_fqn_dict(flat: dict[str, Any], like: Tree) -> Tree:
+    """Put a flat ``{fqn: leaf}`` dict back into ``like``'s structure."""
+    paths, _, spec = flatten_with_path(like)
+    keys = [fqn(p) for p in paths]
+    missing = [k for k in keys if k not in flat]
+    extra = sorted(set(flat) - set(keys))
+    if missing or extra:
+        raise TreeMismatchError(
+            f"FQN dict does not match the tree: missing keys {missing[:8]}, unexpected keys "
+            f"{extra[:8]} ({len(missing)} missing, {len(extra)} unexpected)"
+        )
+    return unflatten(spec, [flat[k] for k in keys])
+
+
+def params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The flat FQN dict of ``module.named_parameters()``; a tied parameter appears once.
+
+    Example: ``fs.params(nn.Linear(3, 2))`` -> ``{'weight': (2, 3), 'bias': (2,)}``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"params() takes an nn.Module, got {type(module).__name__}")
+    return dict(module.named_parameters())
+
+
+def _node(tree: Tree):
+    """(kind, entries, children) of one level, or None for a leaf."""
+    with _ordered():
+        if optree.tree_is_leaf(tree, namespace=NAMESPACE):
+            return None
+        out = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
+    return type(tree), tuple(out.entries), list(out.children)
+
+
+def first_difference(
+    a: Tree, b: Tree, path: Path = (), *, names: tuple[str, str] = ("a", "b")
+) -> tuple[Path, str] | None:
+    """The first path where ``a`` and ``b`` differ in structure, and how; None if equal."""
+    na, nb = _node(a), _node(b)
+    if na is None or nb is None:
+        if na is None and nb is None:
+            return None
+        which = "a leaf" if na is None else f"a {type(a).__name__} node"
+        other = "a leaf" if nb is None else f"a {type(b).__name__} node"
+        return path, f"{names[0]} has {which}, {names[1]} has {other}"
+    (ta, ea, ca), (tb, eb, cb) = na, nb
+    if ta is not tb:
+        return path, f"{names[0]} has a {ta.__name__}, {names[1]} has a {tb.__name__}"
+    if ea != eb:
+        if len(ea) != len(eb) and not isinstance(a, dict):
+            return path, f"{names[0]} has {len(ea)} children, {names[1]} has {len(eb)}"
+        only_a = [k for k in ea if k not in eb]
+        only_b = [k for k in eb if k not in ea]
+        if only_a or only_b:
+            return path, (
+                f"keys only in {names[0]}: {only_a[:8]}; keys only in {names[1]}: {only_b[:8]}"
+            )
+        return path, f"children {list(ea)[:8]} vs {list(eb)[:8]}"
+    for key, x, y in zip(ea, ca, cb):
+        found = first_difference(x, y, path + (key,), names=names)
+        if found is not None:
+            return found
+    return None
+
+
+def check_same_structure(a: Tree, b: Tree, *, names: tuple[str, str] = ("a", "b")) -> None:
+    """Raise :class:`TreeMismatchError` naming the first differing path on both sides."""
+    if flatten(a)[1] == flatten(b)[1]:
+        return
+    found = first_difference(a, b, names=names)
+    path, how = found if found is not None else ((), "structures differ")
+    raise TreeMismatchError(
+        f"{names[0]} and {names[1]} differ at {names[0]}[{fqn(path)!r}] vs "
+        f"{names[1]}[{fqn(path)!r}]: {how}. The two trees must have the same keys and nesting "
+        "(e.g. both from fs.params(model))."
+    )
+
+
+def broadcast_prefix(prefix: Tree, tree: Tree, *, name: str = "spec") -> list[Any]:
+    """Expand a prefix tree (``prefix``) to one value per leaf of ``tree``.
+
+    A callable prefix is called as ``fn(fqn, leaf)`` for each leaf.
+    """
+    paths, lvs, _ = flatten_with_path(tree)
+    if callable(prefix):
+        return [prefix(fqn(p), leaf) for p, leaf in zip(paths, lvs)]
+    try:
+        with _ordered():
+            return optree.broadcast_prefix(prefix, tree, namespace=NAMESPACE)
+    except ValueError as e:
+        raise TreeMismatchError(
+            f"{name} is not a prefix of the tree: {e}. Give one value for the whole tree, a "
+            f"tree with the same keys, or a callable (fqn, tensor) -> value."
+        ) from None
+
+
+def leaves_like(tree: Tree, like: Tree, *, names: tuple[str, str] = ("tree", "like")) -> list:
+    """``tree``'s subtrees at ``like``'s leaf positions; a ``None`` there stays ``None``.
+
+    For gradient trees, where a frozen parameter's gradient is ``None``.
+    """
+    spec = flatten(like)[1]
+    try:
+        with _ordered():
+            return spec.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        pass
+    found = first_difference(tree, like, names=names)
+    path, how = found if found is not None else ((), "structures differ")
+    raise TreeMismatchError(
+        f"{names[0]} and {names[1]} differ at {names[0]}[{fqn(path)!r}] vs "
+        f"{names[1]}[{fqn(path)!r}]: {how}. {names[0]} must have {names[1]}'s keys and nesting "
+        "(None allowed in place of a leaf)."
+    )

@@ -1,0 +1,268 @@
+"""Multi-process test harness: run a function on N gloo ranks and collect every result.
+
+A :class:`Pool` spawns ``world`` worker processes once (each with the default process group
+initialised on gloo) and runs many functions on them, so a test suite, or hypothesis with
+hundreds of examples, pays the spawn cost once per world size. A rank that raises fails the
+call with every rank's traceback within seconds; a rank that hangs fails it at ``timeout``
+and the pool restarts itself for the next call (when every rank raised, the workers are
+healthy and are kept).
+
+    >>> with Pool(2) as pool:
+    ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
+
+``fn`` must be importable (a module-level function); arguments and results are pickled.
+Inside ``fn``, :func:`mesh` returns a cached mesh: ``mesh(4)`` is 1-D, ``mesh("2x2")`` is
+("replicate", "shard").
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+from multiprocessing.connection import wait as _wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MeshSpec = "int | str"
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised, hung or died; the message holds every rank's report."""
+
+
+def world_of(spec) -> int:
+    """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4."""
+    if isinstance(spec, int):
+        return spec
+    rep, sh = (int(x) for x in str(spec).split("x"))
+    return rep * sh
+
+
+# -- worker side -------------------------------------------------------------------------
+
+_MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process groups are costly)
+
+
+def mesh(spec=None):
+    """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; ``"RxS"`` -> 2-D."""
+    from .shard import make_mesh
+
+    spec = dist.get_world_size() if spec is None else spec
+    if spec not in _MESHES:
+        if isinstance(spec, int):
+            _MESHES[spec] = make_mesh(shard=spec)
+        else:
+            rep, sh = (int(x) for x in spec.split("x"))
+            _MESHES[spec] = make_mesh(shard=sh, replicate=rep)
+    return _MESHES[spec]
+
+
+def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not msg:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(msg)
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            reply = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        try:
+            data = pickle.dumps(reply)
+        except Exception as e:  # noqa: BLE001
+            data = pickle.dumps(("err", f"result of {fn!r} cannot be pickled: {e}"))
+        conn.send_bytes(data)
+    dist.destroy_process_group()
+
+
+# -- parent side -------------------------------------------------------------------------
+
+
+class Pool:
+    """``world`` spawned gloo ranks that run functions on demand.
+
+    Args:
+        world: number of processes.
+        timeout: default seconds a call may take before the pool is killed.
+        grace: seconds the other ranks get to report after one rank fails.
+    """
+
+    def __init__(self, world: int, *, timeout: float = 120.0, grace: float = 3.0):
+        if world < 1:
+            raise ValueError(f"Pool: world={world} must be >= 1")
+        self.world, self.timeout, self.grace = world, timeout, grace
+        self._procs: list = []
+        self._conns: list = []
+        self._dir: str | None = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="funshard-pool-")
+        init_file = os.path.join(self._dir, "store")
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker, args=(rank, self.world, init_file, child, self.timeout),
+                daemon=True, name=f"funshard-rank{rank}",
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for c in self._conns:
+            try:
+                c.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5.0)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+        if self._dir is not None:
+            for name in os.listdir(self._dir):
+                os.unlink(os.path.join(self._dir, name))
+            os.rmdir(self._dir)
+            self._dir = None
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Raises:
+            RankError: some rank raised, hung past ``timeout`` or died; the message has every
+                rank's traceback or state. The pool restarts on the next call.
+        """
+        try:
+            msg = pickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(
+                f"Pool.run: {fn!r} or its arguments cannot be pickled ({e}); use a module-level "
+                "function and picklable arguments."
+            ) from e
+        if not self._procs:
+            self._start()
+        for c in self._conns:
+            c.send_bytes(msg)
+        timeout = self.timeout if timeout is None else timeout
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while len(replies) < self.world:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + self.grace)
+            if now >= limit:
+                break
+            pending = {self._conns[r]: r for r in range(self.world) if r not in replies}
+            for c in _wait(list(pending), timeout=min(0.5, limit - now)):
+                r = pending[c]
+                try:
+                    replies[r] = pickle.loads(c.recv_bytes())
+                except (EOFError, OSError):
+                    replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                if replies[r][0] == "err" and failed_at is None:
+                    failed_at = time.monotonic()
+            for c, r in pending.items():  # a worker killed without closing its pipe
+                if r not in replies and not self._procs[r].is_alive():
+                    replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                    failed_at = failed_at or time.monotonic()
+        if len(replies) == self.world and all(k == "ok" for k, _ in replies.values()):
+            return [replies[r][1] for r in range(self.world)]
+        if len(replies) < self.world or any(not p.is_alive() for p in self._procs):
+            self._kill()  # some ranks may be stuck in a collective: start afresh next time
+        name = getattr(fn, "__qualname__", repr(fn))
+        lines = [f"{name} failed on {self.world} ranks:"]
+        for r in range(self.world):
+            kind, val = replies.get(r, ("hung", None))
+            if kind == "ok":
+                lines.append(f"--- rank {r}: ok")
+            elif kind == "hung":
+                why = "timed out" if failed_at is None else "did not answer after another rank failed"
+                lines.append(f"--- rank {r}: {why} ({timeout:.0f}s limit)")
+            else:
+                lines.append(f"--- rank {r}: {val}")
+        raise RankError("\n".join(lines))
+
+
+# -- collective counting -----------------------------------------------------------------
+
+_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
+    "gather_": "gather",
+    "alltoall_base_": "all_to_all",
+    "barrier": "barrier",
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts c10d collectives (and their output bytes) issued on this thread while active.
+
+        >>> with CountCollectives() as cc:
+        ...     fs.unshard(sparams)
+        >>> cc.counts   # Counter({'all_gather': 1})
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            kind = _KINDS.get(func._opname, func._opname)
+            self.counts[kind] += 1
+            self.bytes[kind] += _nbytes(args[0]) if args else 0
+        return func(*args, **kwargs)

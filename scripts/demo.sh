@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The demo training run, from a fresh machine with only Python 3.11: set-up, then train.
+# Extra arguments go to `python -m funshard train` (e.g. `--steps 50`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FUNSHARD_EXTRAS=test bash scripts/setup.sh
+exec .venv/bin/python -m funshard train "$@"

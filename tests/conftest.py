@@ -1,0 +1,48 @@
+"""Shared fixtures: one pool of spawned gloo ranks per world size for the whole session."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from funshard.testing import Pool, world_of
+
+# Examples per property per mesh; FUNSHARD_EXAMPLES raises it (see README).
+EXAMPLES = int(os.environ.get("FUNSHARD_EXAMPLES", "25"))
+settings.register_profile(
+    "funshard",
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=os.environ.get("CI") is not None,
+)
+settings.load_profile("funshard")
+
+MESHES = [1, 2, 3, 4, "2x2"]
+
+
+class Pools:
+    """Lazily started pools, one per world size; ``pools.run(spec, fn, *args)``."""
+
+    def __init__(self):
+        self._pools: dict[int, Pool] = {}
+
+    def get(self, spec) -> Pool:
+        world = world_of(spec)
+        if world not in self._pools:
+            self._pools[world] = Pool(world, timeout=120.0)
+        return self._pools[world]
+
+    def run(self, spec, fn, *args, **kwargs):
+        return self.get(spec).run(fn, spec, *args, **kwargs)
+
+    def close(self):
+        for p in self._pools.values():
+            p.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = Pools()
+    yield p
+    p.close()

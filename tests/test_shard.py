@@ -1,0 +1,331 @@
+"""shard / unshard / reshard / reduce_grads on real gloo process groups (world 1-4, 2x2)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import funshard as fs
+from funshard.testing import CountCollectives, mesh
+from conftest import MESHES
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+SIZES = st.sampled_from([0, 1, 2, 3, 5, 7, 8, 11])
+SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple)
+LEAF = st.tuples(SHAPES, st.sampled_from(sorted(DTYPES)))
+TREES = st.lists(LEAF, min_size=1, max_size=4)
+
+
+def make(shape, dtype, seed):
+    """The same tensor on every rank, for a (shape, dtype, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    if dt == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dt == torch.int64:
+        return torch.randint(-1000, 1000, shape, generator=g)
+    return torch.randn(shape, generator=g).to(dt)
+
+
+def tree_of(leaves, seed):
+    """A nested tree: {'a': [t0, (t1, None)], 'b': {'c': t2, ...}}-like from a leaf list."""
+    ts = [make(s, d, seed + i) for i, (s, d) in enumerate(leaves)]
+    tree = {"layers": [{"w": ts[0]}]}
+    if len(ts) > 1:
+        tree["layers"].append({"w": ts[1], "skip": None})
+    if len(ts) > 2:
+        tree["head"] = (ts[2],)
+    if len(ts) > 3:
+        tree["norm.weight"] = ts[3]
+    return tree
+
+
+# -- worker functions (run on every rank) ------------------------------------------------
+
+
+def roundtrip(spec, leaves, seed):
+    m = mesh(spec)
+    x = tree_of(leaves, seed)
+    with CountCollectives() as cc:
+        s = fs.shard(x, m)
+    shard_counts = dict(cc.counts)
+    with CountCollectives() as cc:
+        full = fs.unshard(s)
+    gather_counts = dict(cc.counts)
+    back = fs.reshard(full, like=s)
+    xs, ss, fulls, backs = (fs.pytree.fqn_dict(t) for t in (x, s, full, back))
+    problems = []
+    for k in xs:
+        ref, sd = xs[k], ss[k]
+        if not (isinstance(sd, DTensor) and sd.shape == ref.shape and sd.dtype == ref.dtype):
+            problems.append(f"{k}: shard gave {type(sd).__name__} {sd.shape} {sd.dtype}")
+            continue
+        if not (fulls[k].dtype == ref.dtype and torch.equal(fulls[k], ref)):
+            problems.append(f"{k}: unshard(shard(x)) != x")
+        if not torch.equal(backs[k].to_local(), sd.to_local()):
+            problems.append(f"{k}: reshard(unshard(s)) != s")
+        if backs[k].placements != sd.placements:
+            problems.append(f"{k}: reshard placements {backs[k].placements}")
+        dt = distribute_tensor(ref, m, sd.placements, src_data_rank=None)
+        if not torch.equal(dt.to_local(), sd.to_local()):
+            problems.append(f"{k}: local {tuple(sd.to_local().shape)} != distribute_tensor's")
+        want = [Replicate()] * m.ndim
+        if ref.ndim:
+            want[-1] = Shard(0)
+        if list(sd.placements) != want:
+            problems.append(f"{k}: placements {sd.placements}")
+    gatherable = any(t.ndim and t.numel() for t in xs.values())
+    return problems, shard_counts, gather_counts, gatherable
+
+
+def grad_parity(spec, shapes, seed, reduce_dtype):
+    """Gradient through unshard == reduce_grads of per-rank grads == mean of all ranks'."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = {f"p{i}": make(s, "float32", seed + i).requires_grad_() for i, s in enumerate(shapes)}
+    s = fs.shard(x, m)
+    # per-rank upstream gradients, reproducible on every rank
+    ups = [{k: make(v.shape, "float32", seed + 1000 * (r + 1) + i) for i, (k, v) in
+            enumerate(x.items())} for r in range(world)]
+    rdt = DTYPES[reduce_dtype] if reduce_dtype else None
+    with CountCollectives() as cc:
+        full = fs.unshard(s, reduce_dtype=rdt)
+        loss = sum((full[k] * ups[rank][k]).sum() for k in x)
+        loss.backward()
+    counts = dict(cc.counts)
+    reduced = fs.reduce_grads(ups[rank], like=s, reduce_dtype=rdt)
+    worst_vs_reduce, worst_vs_mean = 0.0, 0.0
+    placements_ok = True
+    for k in x:
+        g = s[k].grad
+        placements_ok &= isinstance(g, DTensor) and g.placements == s[k].placements
+        if g.to_local().numel():
+            diff = (g.to_local() - reduced[k].to_local()).abs().max().item()
+            worst_vs_reduce = max(worst_vs_reduce, diff)
+        mean = sum(u[k] for u in ups) / world
+        ref = distribute_tensor(mean, m, s[k].placements, src_data_rank=None).to_local()
+        if ref.numel():
+            worst_vs_mean = max(worst_vs_mean, (g.to_local() - ref).abs().max().item())
+    return worst_vs_reduce, worst_vs_mean, placements_ok, counts
+
+
+# -- properties --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", MESHES, ids=str)
+@given(leaves=TREES, seed=st.integers(0, 2**16))
+def test_roundtrip_laws(pools, spec, leaves, seed):
+    results = pools.run(spec, roundtrip, leaves, seed)
+    for rank, (problems, shard_counts, gather_counts, gatherable) in enumerate(results):
+        assert problems == [], f"rank {rank}: {problems}"
+        assert shard_counts == {}, "shard must not communicate"
+        # one all-gather for the whole bucket, whatever the number of leaves and dtypes
+        expect = {"all_gather": 1} if gatherable and spec != 1 else {}  # world 1: no comms
+        assert gather_counts == expect, gather_counts
+
+
+@pytest.mark.parametrize("spec", MESHES, ids=str)
+@given(shapes=st.lists(st.lists(SIZES, min_size=0, max_size=3).map(tuple), min_size=1,
+                       max_size=3), seed=st.integers(0, 2**16))
+def test_unshard_grad_is_reduce_grads(pools, spec, shapes, seed):
+    for rank, (vs_reduce, vs_mean, placements_ok, counts) in enumerate(
+        pools.run(spec, grad_parity, shapes, seed, None)
+    ):
+        assert vs_reduce == 0.0, f"rank {rank}: grad through unshard != reduce_grads"
+        assert vs_mean < 1e-5, f"rank {rank}: grad differs from the mean by {vs_mean}"
+        assert placements_ok
+        sharded = any(len(s) and s[0] * __import__("math").prod(s[1:]) for s in shapes)
+        replicated = any(len(s) == 0 for s in shapes)
+        if spec == 1:
+            assert counts == {}, counts  # a world of one communicates nothing
+            continue
+        assert counts.get("all_gather", 0) == int(sharded)
+        assert counts.get("reduce_scatter", 0) == int(sharded)
+        n_ar = int(replicated) + int(spec == "2x2" and (sharded or replicated))
+        assert counts.get("all_reduce", 0) == n_ar, counts
+
+
+def collective_counts(spec, n_layers):
+    m = mesh(spec)
+    x = {f"layers.{i}.w": torch.randn(5, 3, requires_grad=True) for i in range(n_layers)}
+    x["bias"] = torch.randn(7, dtype=torch.bfloat16)  # mixed dtypes still one gather
+    s = fs.shard(x, m)
+    with CountCollectives() as fwd:
+        full = fs.unshard(s)
+    with CountCollectives() as bwd:
+        sum(full[f"layers.{i}.w"].sum() for i in range(n_layers)).backward()
+    return dict(fwd.counts), dict(bwd.counts), dict(fwd.bytes)
+
+
+@pytest.mark.parametrize("spec", MESHES, ids=str)
+def test_one_collective_per_bucket(pools, spec):
+    fwd, bwd, nbytes = pools.run(spec, collective_counts, 6)[0]
+    if spec == 1:
+        assert fwd == bwd == {}  # a world of one communicates nothing
+        return
+    assert fwd == {"all_gather": 1}
+    world = fs.testing.world_of(spec)
+    shard = 2 if spec == "2x2" else world
+    chunk = -(-5 // shard)
+    expect = shard * (6 * chunk * 3 * 4 + -(-7 // shard) * 2)
+    assert nbytes["all_gather"] >= expect and nbytes["all_gather"] < expect + 16 * shard
+    assert bwd == ({"reduce_scatter": 1, "all_reduce": 1} if spec == "2x2" else
+                   {"reduce_scatter": 1})
+
+
+def mixed_precision(spec):
+    m = mesh(spec)
+    torch.manual_seed(0)
+    x = {"w": torch.randn(9, 4, requires_grad=True), "idx": torch.arange(5)}
+    s = fs.shard(x, m)
+    full = fs.unshard(s, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ok_fwd = full["w"].dtype == torch.bfloat16 and torch.equal(full["w"], x["w"].to(torch.bfloat16))
+    ok_int = full["idx"].dtype == torch.int64 and torch.equal(full["idx"], x["idx"])
+    (full["w"].float() * 3).sum().backward()
+    g = s["w"].grad
+    return ok_fwd, ok_int, g.dtype == torch.float32, torch.allclose(
+        g.full_tensor(), torch.full((9, 4), 3.0))
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_mixed_precision(pools, spec):
+    for r in pools.run(spec, mixed_precision):
+        assert r == (True, True, True, True)
+
+
+def overrides_and_meta(spec):
+    m = mesh(spec)
+    torch.manual_seed(0)
+    x = {"emb": torch.randn(10, 4), "norm": torch.randn(4), "w": torch.randn(6, 4)}
+    by_fn = fs.shard(x, m, spec=lambda name, t: "replicate" if t.ndim == 1 else "shard")
+    by_prefix = fs.shard(x, m, spec={"emb": "replicate", "norm": "shard", "w": "shard"})
+    meta = fs.shard({"w": torch.empty(7, 3, device="meta", requires_grad=True)}, m)["w"]
+    full = fs.unshard(by_fn)
+    return (
+        [type(p).__name__ for p in by_fn["norm"].placements],
+        [type(p).__name__ for p in by_prefix["emb"].placements],
+        all(torch.equal(full[k], x[k]) for k in x),
+        (meta.to_local().device.type, tuple(meta.to_local().shape), tuple(meta.shape),
+         meta.requires_grad, meta.is_leaf),
+    )
+
+
+@pytest.mark.parametrize("spec", [3, "2x2"], ids=str)
+def test_spec_overrides_and_meta(pools, spec):
+    results = pools.run(spec, overrides_and_meta)
+    shard = 2 if spec == "2x2" else 3
+    for rank, (norm_pl, emb_pl, equal, meta) in enumerate(results):
+        assert set(norm_pl) == {"Replicate"} and set(emb_pl) == {"Replicate"}
+        assert equal
+        srank = rank % shard
+        rows = [3, 3, 1][srank] if shard == 3 else [4, 3][srank]
+        assert meta == ("cpu", (rows, 3), (7, 3), True, True)
+
+
+def reduce_sum(spec):
+    m = mesh(spec)
+    rank = dist.get_rank()
+    x = {"w": torch.zeros(5, 2), "s": torch.zeros(())}
+    s = fs.shard(x, m)
+    g = fs.reduce_grads({"w": torch.full((5, 2), float(rank + 1)), "s": torch.tensor(1.0)},
+                        like=s, op="sum")
+    return g["w"].full_tensor(), g["s"].full_tensor()
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_reduce_grads_sum(pools, spec):
+    world = fs.testing.world_of(spec)
+    for w, sc in pools.run(spec, reduce_sum):
+        assert torch.equal(w, torch.full((5, 2), float(sum(range(1, world + 1)))))
+        assert sc.item() == world
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def errors(spec):
+    """Each bad call's (exception type, message)."""
+    m = mesh(spec)
+    cases = {}
+
+    def case(name, fn):
+        try:
+            fn()
+            cases[name] = (None, "no error")
+        except Exception as e:  # noqa: BLE001
+            cases[name] = (type(e).__name__, str(e))
+
+    good = fs.shard({"a": torch.randn(7, 3), "b": [torch.randn(2)]}, m)
+    case("non_tensor", lambda: fs.shard({"a": torch.randn(2), "b": [3]}, m))
+    dp = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    case("no_shard_dim", lambda: fs.shard({"a": torch.randn(2)}, dp))
+    case("mismatch", lambda: fs.reshard({"a": torch.randn(7, 3), "c": [torch.randn(2)]}, like=good))
+    case("bad_shape", lambda: fs.reshard({"a": torch.randn(6, 3), "b": [torch.randn(2)]}, like=good))
+    two = {"a": good["a"], "z": fs.shard(torch.randn(4, 2), mesh("2x2"))}
+    case("two_meshes", lambda: fs.unshard(two))
+    bad_pl = distribute_tensor(torch.randn(4, 6), m, [Replicate()] * (m.ndim - 1) + [Shard(1)])
+    case("placement", lambda: fs.unshard({"layers.0.w": bad_pl}))
+    case("plain_in_unshard", lambda: fs.unshard({"a": torch.randn(3)}))
+    case("grad_shape", lambda: fs.reduce_grads({"a": torch.randn(4, 3), "b": [None]}, like=good))
+    case("grad_tree", lambda: fs.reduce_grads({"a": torch.randn(7, 3)}, like=good))
+    case("spec_value", lambda: fs.shard({"a": torch.randn(3)}, m, spec="columns"))
+    case("mesh_size", lambda: fs.make_mesh(shard=dist.get_world_size() + 1))
+    return cases
+
+
+def test_bad_input_errors(pools):
+    cases = pools.run(4, errors)[0]
+    t, msg = cases["non_tensor"]
+    assert t == "TypeError" and "'b.0'" in msg and "int" in msg and "torch.Tensor" in msg
+    t, msg = cases["no_shard_dim"]
+    assert t == "ValueError" and "'dp': 4" in msg and "no 'shard' dimension" in msg
+    assert "fs.make_mesh" in msg
+    t, msg = cases["mismatch"]
+    assert t == "TreeMismatchError" and "full['<root>']" in msg and "like['<root>']" in msg
+    assert "keys only in full: ['c']; keys only in like: ['b']" in msg
+    t, msg = cases["bad_shape"]
+    assert t == "ValueError" and "'a'" in msg and "(6, 3)" in msg and "(7, 3)" in msg
+    assert "'shard': 4" in msg
+    t, msg = cases["two_meshes"]
+    assert t == "ValueError" and "'a'" in msg and "'z'" in msg and "different meshes" in msg
+    assert "'shard': 4" in msg and "'replicate': 2, 'shard': 2" in msg
+    t, msg = cases["placement"]
+    assert t == "ValueError" and "'layers.0.w'" in msg and "(4, 6)" in msg
+    assert "Shard(dim=1)" in msg and "'shard': 4" in msg and "redistribute" in msg
+    t, msg = cases["plain_in_unshard"]
+    assert t == "TypeError" and "'a'" in msg and "(3,)" in msg and "fs.shard" in msg
+    t, msg = cases["grad_shape"]
+    assert t == "ValueError" and "'a'" in msg and "(4, 3)" in msg and "(7, 3)" in msg
+    t, msg = cases["grad_tree"]
+    assert t == "TreeMismatchError" and "keys only in like: ['b']" in msg
+    t, msg = cases["spec_value"]
+    assert t == "ValueError" and "'columns'" in msg and "'a'" in msg
+    t, msg = cases["mesh_size"]
+    assert t == "ValueError" and "shard=5" in msg and "world has 4" in msg
+
+
+def test_make_mesh_single_process():
+    """Without torchrun's environment a plain process gets a world of one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import funshard as fs, torch;"
+        "m = fs.make_mesh();"
+        "s = fs.shard({'w': torch.arange(6.).view(3, 2)}, m);"
+        "print(m.shape, m.mesh_dim_names, fs.unshard(s)['w'].sum().item())"
+    )
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(1,) ('shard',) 15.0"
