@@ -10,8 +10,12 @@ from . import collectives, optim, pytree
 from .collectives import reduce_grads
 from .pytree import params
 from .shard import make_mesh, reshard, shard, unshard
+from .step import Policy, TrainState, TrainStep, train_step
 
 __all__ = [
+    "Policy",
+    "TrainState",
+    "TrainStep",
     "collectives",
     "make_mesh",
     "optim",
@@ -20,5 +24,6 @@ __all__ = [
     "reduce_grads",
     "reshard",
     "shard",
+    "train_step",
     "unshard",
 ]

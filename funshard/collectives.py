@@ -158,7 +158,12 @@ class Gathered:
         self._work, self._buf, self._layouts = work, buf, layouts
         self._dtypes, self._plan, self._device = dtypes, plan, device
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Finish the gather; return full tensors in ``layouts`` order.
+
+        ``into``: padded full tensors (``(world * chunk, *shape[1:])``) to fill instead of
+        allocating; what is returned are then views of them (``[:rows]``).
+        """
         if self._work is not None:
             self._work.wait()
         layouts, dtypes = self._layouts, self._dtypes
@@ -167,9 +172,12 @@ class Gathered:
         views = []
         for i in order:
             lay = layouts[i]
-            padded = torch.empty(
-                (lay.world * lay.chunk, *lay.shape[1:]), dtype=dtypes[i], device=self._device
-            )
+            if into is not None:
+                padded = into[i]
+            else:
+                padded = torch.empty(
+                    (lay.world * lay.chunk, *lay.shape[1:]), dtype=dtypes[i], device=self._device
+                )
             views.append(padded.view(lay.world, -1).view(torch.uint8))
             outs[i] = padded if padded.shape[0] == lay.rows else padded[: lay.rows]
         if order:
@@ -178,7 +186,8 @@ class Gathered:
             torch.split_with_sizes_copy(src, sizes, dim=1, out=views)
         for i, lay in enumerate(layouts):
             if outs[i] is None:  # no elements
-                outs[i] = torch.empty(lay.shape, dtype=dtypes[i], device=self._device)
+                outs[i] = (into[i] if into is not None else
+                           torch.empty(lay.shape, dtype=dtypes[i], device=self._device))
         self._buf = None
         return outs
 

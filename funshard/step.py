@@ -1,0 +1,538 @@
+"""The training-step combinator: ``train_step(loss_fn, optimizer, policy=Policy())``.
+
+``loss_fn(params, batch)`` sees every parameter with its full shape. Inside the step each
+parameter is a lazy stand-in (:class:`_Lazy`); the first op that touches one gathers its
+whole communication group with one all-gather. With ``reshard_after_forward=True`` the
+previous group is freed as the next one is gathered, so about two groups are unsharded at
+any moment. Autograd's saved copies of gathered parameters share the group's storage, which
+is freed (resized to 0 bytes) with the group; ``saved_tensors_hooks`` tag them and, when
+backward needs one, gather its group again into the same storage. Each group's gradients
+are reduce-scattered as soon as backward is done with the group (one collective per group),
+then the gradient norm, clipping and the optimizer run on the local shards.
+
+Why this mechanism (measured in tests/test_step.py): module hooks are out by design;
+activation checkpointing would recompute the forward; a per-op DTensor redistribute issues
+one collective per tensor. The lazy stand-in gives one collective per group and direction
+and needs nothing from the model but ``torch.func.functional_call``.
+
+Caveat: a custom ``autograd.Function`` that stashes a parameter on ``ctx`` (not through
+``save_for_backward``) bypasses the hooks and would read freed storage; use
+``save_for_backward``. Every rank must use the same groups in the same order.
+
+    >>> step = train_step(loss_fn, fs.optim.adamw(lr=3e-4), policy=Policy(clip_norm=1.0))
+    >>> state = step.init(fs.shard(fs.params(model), mesh))
+    >>> state, metrics = step(state, (x, y))     # metrics["loss"], metrics["grad_norm"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+
+from . import collectives, pytree
+from .collectives import Layout
+
+Tree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a step shards, casts, accumulates and clips.
+
+    Args:
+        reshard_after_forward: True frees each group after its forward use and gathers it
+            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group);
+            False keeps groups gathered until their backward (SHARD_GRAD_OP: 1 + 1).
+        param_dtype: compute dtype for floating parameters (e.g. torch.bfloat16); master
+            weights and optimizer state keep the parameters' dtype.
+        reduce_dtype: dtype gradients are reduced in (e.g. torch.float32).
+        accumulate: micro-batches per step; the batch's dim 0 is split in this many parts and
+            gradients are reduced once per step.
+        clip_norm: clip the global gradient norm (over all shards, each element once).
+        groups: communication groups. None: one per element of a numbered container
+            (``layers.0``, ``layers.1``, ...) and one for the rest. Or a callable
+            ``fqn -> group name``, or a prefix tree of group names.
+        prefetch: gather the next group asynchronously while the current one computes.
+    """
+
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    accumulate: int = 1
+    clip_norm: float | None = None
+    groups: Any = None
+    prefetch: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"Policy: accumulate={self.accumulate!r} must be an int >= 1")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"Policy: clip_norm={self.clip_norm!r} must be > 0 (or None)")
+        for name in ("param_dtype", "reduce_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise ValueError(f"Policy: {name}={dt!r} must be a floating torch.dtype or None")
+
+
+class TrainState(NamedTuple):
+    """Sharded parameters, optimizer state and the number of steps taken."""
+
+    params: Tree
+    opt_state: Tree
+    step: int
+
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def default_group(fqn: str) -> str:
+    """``'layers.3.attn.wq'`` -> ``'layers.3'``; a name with no numbered part -> ``''``."""
+    m = _NUMBERED.match(fqn)
+    return m.group(1) if m else ""
+
+
+# -- the per-structure plan --------------------------------------------------------------
+
+
+class _Plan:
+    """What does not change between steps for one tree structure: groups and their order."""
+
+    def __init__(self, params: Tree, policy: Policy):
+        mesh, paths, leaves, layouts, spec = collectives.describe(params, what="train_step")
+        self.mesh, self.spec, self.layouts = mesh, spec, layouts
+        names = [pytree.fqn(p) for p in paths]
+        if policy.groups is None:
+            gnames = [default_group(n) for n in names]
+        else:
+            gnames = pytree.broadcast_prefix(
+                (lambda fqn, _: policy.groups(fqn)) if callable(policy.groups) else policy.groups,
+                params, name="Policy.groups",
+            )
+        order: dict[str, list[int]] = {}
+        for i, g in enumerate(gnames):
+            order.setdefault(g, []).append(i)
+        self.group_names = list(order)
+        self.members = list(order.values())
+        self.group_of = [0] * len(leaves)
+        for gi, idx in enumerate(self.members):
+            for i in idx:
+                self.group_of[i] = gi
+        self.trainable = [bool(leaf.requires_grad) for leaf in leaves]
+        dt = policy.param_dtype
+        self.dtypes = [dt if (dt is not None and leaf.is_floating_point()) else leaf.dtype
+                       for leaf in leaves]
+        self.world = mesh.size()
+        rep = dict(zip(mesh.mesh_dim_names, mesh.shape)).get(collectives.REPLICATE, 1)
+        # weight of each leaf's local squared norm in the all-ranks sum: count elements once
+        self.norm_weight = [1.0 / rep if lay.sharded else 1.0 / self.world for lay in layouts]
+        self.fwd_order: list[int] | None = None  # learned on the first step
+        self.bwd_order: list[int] | None = None
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"train_step: the mesh {collectives.mesh_str(mesh)} has {mesh.size()} ranks but "
+                f"the world has {dist.get_world_size()}; build it with fs.make_mesh()."
+            )
+
+
+# -- one micro-batch's forward and backward ----------------------------------------------
+
+
+class _Group:
+    """A communication group inside one micro-batch: its gathered tensors and their state."""
+
+    __slots__ = ("gi", "idx", "sharded", "replicated", "bases", "fulls", "pending", "resident",
+                 "grads")
+
+    def __init__(self, gi: int, idx: list[int], layouts: list[Layout]):
+        self.gi, self.idx = gi, idx
+        self.sharded = [k for k, i in enumerate(idx) if layouts[i].sharded]
+        self.replicated = [k for k, i in enumerate(idx) if not layouts[i].sharded]
+        self.bases: list[torch.Tensor] | None = None  # padded full tensors (own storages)
+        self.fulls: tuple[torch.Tensor, ...] | None = None  # what loss_fn computes with
+        self.pending: collectives.Gathered | None = None
+        self.resident = False
+        self.grads: list[torch.Tensor | None] | None = None
+
+
+class _Gather(torch.autograd.Function):
+    """First gather of a group in a micro-batch; backward reduces the group's gradients."""
+
+    @staticmethod
+    def forward(ctx, run, group, *shards):
+        ctx.run, ctx.group = run, group
+        ctx.set_materialize_grads(False)
+        fulls = run.gather(group)
+        frozen = [f for i, f in zip(group.idx, fulls) if not run.plan.trainable[i]]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return fulls
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.run.reduce(ctx.group, grads)
+        return (None, None, *([None] * len(grads)))
+
+
+class _Run:
+    """State of one micro-batch: which groups are gathered, and the gradients reduced."""
+
+    def __init__(self, plan: _Plan, shards: list[torch.Tensor], policy: Policy,
+                 acc: list | None, sync: bool, record: bool):
+        self.plan, self.shards, self.policy = plan, shards, policy
+        self.acc, self.sync = acc, sync  # acc: per-leaf accumulated full grads (or None)
+        self.groups = [_Group(gi, idx, plan.layouts) for gi, idx in enumerate(plan.members)]
+        self.current: _Group | None = None
+        self.phase = "forward"
+        self.storage: dict[int, _Group] = {}  # storage data_ptr -> group
+        self.record = record
+        self.fwd_seen: list[int] = []
+        self.bwd_seen: list[int] = []
+        self.peak_groups = 0  # most groups gathered at once (for tests and the benchmark)
+
+    # gathering ----------------------------------------------------------------------
+
+    def _launch(self, group: _Group, async_op: bool) -> collectives.Gathered:
+        lays = [self.plan.layouts[group.idx[k]] for k in group.sharded]
+        shards = [self.shards[group.idx[k]] for k in group.sharded]
+        dts = [self.plan.dtypes[group.idx[k]] for k in group.sharded]
+        return collectives.all_gather(lays, shards, self.plan.mesh, dtypes=dts, async_op=async_op)
+
+    def gather(self, group: _Group) -> tuple[torch.Tensor, ...]:
+        """Gather ``group`` (waiting for its prefetch if one is in flight) into its tensors."""
+        pending = group.pending or self._launch(group, async_op=False)
+        group.pending = None
+        plan = self.plan
+        if group.bases is None:  # first gather in this micro-batch: fresh tensors
+            got = pending.wait()
+            bases = [None] * len(group.idx)
+            fulls = [None] * len(group.idx)
+            for k, t in zip(group.sharded, got):
+                fulls[k] = t
+                bases[k] = t._base if t._base is not None else t
+            for k in group.replicated:
+                i = group.idx[k]
+                fulls[k] = bases[k] = self.shards[i].detach().to(plan.dtypes[i], copy=True)
+            group.bases, group.fulls = bases, tuple(fulls)
+        else:  # gathered before and freed: refill the same storages
+            for k in group.sharded:
+                b = group.bases[k]
+                b.untyped_storage().resize_(b.numel() * b.element_size())
+            outs = [group.bases[k] for k in group.sharded]
+            # Autograd saved these tensors; refilling them is not a mutation it must see.
+            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                pending.wait(into=outs)
+        for k in group.sharded:
+            ptr = group.bases[k].untyped_storage().data_ptr()
+            if ptr:
+                self.storage[ptr] = group
+        group.resident = True
+        self.peak_groups = max(self.peak_groups, sum(g.resident for g in self.groups))
+        return group.fulls
+
+    def free(self, group: _Group) -> None:
+        if not group.resident:
+            return
+        for k in group.sharded:
+            st = group.bases[k].untyped_storage()
+            self.storage.pop(st.data_ptr(), None)
+            st.resize_(0)
+        group.resident = False
+
+    def materialize(self, gi: int) -> tuple[torch.Tensor, ...]:
+        """The group's full tensors, gathering it if needed (called by ops and by backward)."""
+        group = self.groups[gi]
+        if group.resident:
+            return group.fulls
+        prev = self.current
+        if prev is not None and prev is not group and (
+            self.phase == "backward" or self.policy.reshard_after_forward
+        ):
+            self.free(prev)
+        seen = self.fwd_seen if self.phase == "forward" else self.bwd_seen
+        seen.append(gi)
+        if group.fulls is None:
+            shards = [self.shards[i] for i in group.idx]
+            fulls = _Gather.apply(self, group, *shards)
+        else:
+            fulls = self.gather(group)
+        self.current = group
+        self._prefetch(gi)
+        return fulls
+
+    def _prefetch(self, gi: int) -> None:
+        if not self.policy.prefetch:
+            return
+        order = self.plan.fwd_order if self.phase == "forward" else self.plan.bwd_order
+        if not order:
+            return
+        try:
+            pos = order.index(gi, 0)
+        except ValueError:
+            return
+        for nxt in order[pos + 1 : pos + 2]:
+            g = self.groups[nxt]
+            if nxt != gi and not g.resident and g.pending is None and (
+                self.phase == "forward" or g.fulls is not None
+            ):
+                g.pending = self._launch(g, async_op=True)
+
+    # saved tensors --------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        try:
+            group = self.storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
+            return t
+        return (group.gi, t) if group is not None else t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple):
+            gi, t = packed
+            self.materialize(gi)
+            return t
+        return packed
+
+    # backward -------------------------------------------------------------------------
+
+    def reduce(self, group: _Group, grads: tuple) -> None:
+        """Backward is done with ``group``: reduce its gradients (or accumulate them)."""
+        plan = self.plan
+        keep = [k for k, i in enumerate(group.idx) if plan.trainable[i]]
+        if self.acc is not None:
+            for k in keep:
+                i, g = group.idx[k], grads[k]
+                if g is None:
+                    continue
+                g = g.to(self.policy.reduce_dtype or plan.layouts[i].dtype)
+                self.acc[i] = g if self.acc[i] is None else self.acc[i].add_(g)
+        if self.sync and keep:
+            full = [self.acc[group.idx[k]] if self.acc is not None else grads[k] for k in keep]
+            got = collectives.reduce_scatter(
+                [plan.layouts[group.idx[k]] for k in keep], full, plan.mesh,
+                reduce_dtype=self.policy.reduce_dtype,
+            )
+            group.grads = [None] * len(group.idx)
+            for k, g in zip(keep, got):
+                group.grads[k] = g
+                if self.acc is not None:
+                    self.acc[group.idx[k]] = None
+        self.free(group)
+
+    def end_forward(self) -> None:
+        self.phase = "backward"
+        if self.policy.reshard_after_forward:  # keep only the group backward starts with
+            for g in self.groups:
+                if g is not self.current:
+                    self.free(g)
+
+    def finish(self) -> None:
+        for g in self.groups:
+            self.free(g)
+            if g.pending is not None:  # a prefetch nobody used: finish it, drop the buffer
+                g.pending.wait()
+                g.pending = None
+        if self.record:
+            self.plan.fwd_order = _dedup(self.fwd_seen)
+            self.plan.bwd_order = _dedup(self.bwd_seen)
+
+
+def _dedup(seq: list[int]) -> list[int]:
+    out: list[int] = []
+    for x in seq:
+        if not out or out[-1] != x:
+            out.append(x)
+    return out
+
+
+# -- the lazy parameter stand-in ---------------------------------------------------------
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.__len__,
+    torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.nelement,
+}
+
+
+class _Lazy(torch.Tensor):
+    """A parameter inside ``loss_fn``: full shape and compute dtype; gathers on first use."""
+
+    @staticmethod
+    def __new__(cls, run: _Run, gi: int, k: int, shape, dtype, device, requires_grad):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        t._run, t._gi, t._k = run, gi, k
+        return t
+
+    def _full(self) -> torch.Tensor:
+        return self._run.materialize(self._gi)[self._k]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = optree.tree_map(
+            lambda x: x._full() if isinstance(x, _Lazy) else x, (args, kwargs),
+            none_is_leaf=True,
+        )
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"funshard: {func} reached a lazy parameter below autograd; call it through torch "
+            "functions (this is a funshard bug if it came from a plain torch op)"
+        )
+
+    def __repr__(self):
+        return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
+
+
+# -- the step ----------------------------------------------------------------------------
+
+
+class TrainStep(NamedTuple):
+    """``init(params) -> TrainState`` and ``apply(state, batch) -> (state, metrics)``.
+
+    Calling the object is ``apply``. Donation rule: ``apply`` updates the parameters and
+    optimizer state in place (their local shards), as JAX does with donated buffers; the
+    returned state is the one to use; do not use the old one after the call.
+    """
+
+    init: Callable[[Tree], TrainState]
+    apply: Callable[[TrainState, Any], tuple[TrainState, dict]]
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        return self.apply(state, batch)
+
+
+def _split_batch(batch: Any, k: int) -> list[Any]:
+    if k == 1:
+        return [batch]
+    paths, leaves, spec = pytree.flatten_with_path(batch)
+    parts = []
+    for p, x in zip(paths, leaves):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] % k:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"train_step: batch[{pytree.fqn(p)!r}] of shape {shape} does not split into "
+                f"accumulate={k} micro-batches along dim 0; use a batch size divisible by {k}."
+            )
+        parts.append(x.chunk(k))
+    return [pytree.unflatten(spec, [c[j] for c in parts]) for j in range(k)]
+
+
+def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+        raise ValueError(
+            f"train_step: loss_fn must return a floating scalar tensor (or (loss, aux)), got "
+            f"{what}; reduce it, e.g. with .mean()."
+        )
+    return loss, aux
+
+
+def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
+    """Compose ``loss_fn`` and ``optimizer`` into one sharded training step.
+
+    Args:
+        loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``; ``params`` has full shapes
+            (the loss is the mean over the local batch).
+        optimizer: an ``fs.optim`` optimizer (``init``, ``update``).
+        policy: :class:`Policy`.
+    Returns:
+        :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
+        (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).
+
+    Example: N ranks with batch B each match one process on the N*B batch.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
+    plans: dict[Any, _Plan] = {}  # per tree structure, learned once (like a jit cache)
+
+    def plan_for(params: Tree) -> _Plan:
+        key = pytree.flatten(params)[1]
+        if key not in plans:
+            plans[key] = _Plan(params, policy)
+        return plans[key]
+
+    def init(params: Tree) -> TrainState:
+        plan_for(params)
+        return TrainState(params, optimizer.init(params), 0)
+
+    def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        plan = plan_for(state.params)
+        leaves = pytree.flatten(state.params)[0]
+        shards = [d._local_tensor.detach().requires_grad_(t)
+                  for d, t in zip(leaves, plan.trainable)]
+        micro = _split_batch(batch, policy.accumulate)
+        k = len(micro)
+        acc = [None] * len(leaves) if k > 1 else None
+        record = plan.fwd_order is None
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        aux_all, runs = [], []
+        for j, mb in enumerate(micro):
+            run = _Run(plan, shards, policy, acc, sync=(j == k - 1), record=record and j == 0)
+            lazies = [
+                _Lazy(run, plan.group_of[i], plan.members[plan.group_of[i]].index(i),
+                      lay.shape, plan.dtypes[i], shards[i].device, plan.trainable[i])
+                for i, lay in enumerate(plan.layouts)
+            ]
+            try:
+                with saved_tensors_hooks(run.pack, run.unpack):
+                    loss, aux = _loss_of(loss_fn(pytree.unflatten(plan.spec, lazies), mb))
+                run.end_forward()
+                if loss.requires_grad:
+                    (loss / k).backward()
+            finally:
+                run.finish()
+            loss_sum += loss.detach().double()
+            aux_all.append(aux)
+            runs.append(run)
+        last = runs[-1]
+        grads: list[torch.Tensor | None] = [None] * len(leaves)
+        for g in last.groups:
+            if g.grads is not None:
+                for k2, i in enumerate(g.idx):
+                    grads[i] = g.grads[k2]
+        # one all-reduce per step for the loss metric and the global gradient norm
+        sq = torch.zeros((), dtype=torch.float64)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            norms = torch._foreach_norm([grads[i].float() for i in present])
+            w = torch.tensor([plan.norm_weight[i] for i in present], dtype=torch.float64)
+            sq = (torch.stack(norms).double() ** 2 * w).sum()
+        both = torch.stack([loss_sum / k, sq]).to(shards[0].device if shards else "cpu")
+        if plan.world > 1:
+            dist.all_reduce(both)
+        both = both.cpu()
+        mean_loss = both[0].item() / plan.world
+        norm = both[1].clamp_min(0).sqrt().item()
+        if policy.clip_norm is not None and present:
+            coef = min(1.0, policy.clip_norm / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_([grads[i] for i in present], coef)
+        grad_tree = optree.tree_unflatten(plan.spec, grads)  # None for frozen/unused leaves
+        params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                             step=state.step)
+        metrics = {"loss": mean_loss, "grad_norm": norm,
+                   "peak_groups": max(r.peak_groups for r in runs)}
+        if any(a is not None for a in aux_all):
+            metrics["aux"] = aux_all[0] if k == 1 else aux_all
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return TrainStep(init, apply)
