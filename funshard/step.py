@@ -27,7 +27,6 @@ Caveat: a custom ``autograd.Function`` that stashes a parameter on ``ctx`` (not 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -89,13 +88,13 @@ class TrainState(NamedTuple):
     step: int
 
 
-_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
 def default_group(fqn: str) -> str:
-    """``'layers.3.attn.wq'`` -> ``'layers.3'``; a name with no numbered part -> ``''``."""
-    m = _NUMBERED.match(fqn)
-    return m.group(1) if m else ""
+    """``'layers.3.attn.wq'`` -> ``'layers.3'``; ``'0.w'`` -> ``'0'``; no number -> ``''``."""
+    parts = fqn.split(".")
+    for j, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: j + 1])
+    return ""
 
 
 # -- the per-structure plan --------------------------------------------------------------
@@ -132,6 +131,11 @@ class _Plan:
         rep = dict(zip(mesh.mesh_dim_names, mesh.shape)).get(collectives.REPLICATE, 1)
         # weight of each leaf's local squared norm in the all-ranks sum: count elements once
         self.norm_weight = [1.0 / rep if lay.sharded else 1.0 / self.world for lay in layouts]
+        self.group_bytes = [
+            sum(layouts[i].world * layouts[i].padded_numel * self.dtypes[i].itemsize
+                for i in idx if layouts[i].sharded)
+            for idx in self.members
+        ]
         self.fwd_order: list[int] | None = None  # learned on the first step
         self.bwd_order: list[int] | None = None
         if mesh.size() != dist.get_world_size():
@@ -188,13 +192,15 @@ class _Run:
         self.plan, self.shards, self.policy = plan, shards, policy
         self.acc, self.sync = acc, sync  # acc: per-leaf accumulated full grads (or None)
         self.groups = [_Group(gi, idx, plan.layouts) for gi, idx in enumerate(plan.members)]
-        self.current: _Group | None = None
+        self.active: list[int] = []  # groups the latest op (or autograd node) uses
+        self.node = None  # the autograd node whose saved tensors are being unpacked
         self.phase = "forward"
         self.storage: dict[int, _Group] = {}  # storage data_ptr -> group
         self.record = record
         self.fwd_seen: list[int] = []
         self.bwd_seen: list[int] = []
-        self.peak_groups = 0  # most groups gathered at once (for tests and the benchmark)
+        self.peak_groups = 0  # most groups gathered or in flight at once
+        self.peak_bytes = 0  # their full-size bytes
 
     # gathering ----------------------------------------------------------------------
 
@@ -233,8 +239,14 @@ class _Run:
             if ptr:
                 self.storage[ptr] = group
         group.resident = True
-        self.peak_groups = max(self.peak_groups, sum(g.resident for g in self.groups))
+        self._note_peak()
         return group.fulls
+
+    def _note_peak(self) -> None:
+        live = [g for g in self.groups if g.resident or g.pending is not None]
+        self.peak_groups = max(self.peak_groups, len(live))
+        nbytes = sum(self.plan.group_bytes[g.gi] for g in live)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
 
     def free(self, group: _Group) -> None:
         if not group.resident:
@@ -245,43 +257,45 @@ class _Run:
             st.resize_(0)
         group.resident = False
 
-    def materialize(self, gi: int) -> tuple[torch.Tensor, ...]:
-        """The group's full tensors, gathering it if needed (called by ops and by backward)."""
-        group = self.groups[gi]
-        if group.resident:
-            return group.fulls
-        prev = self.current
-        if prev is not None and prev is not group and (
-            self.phase == "backward" or self.policy.reshard_after_forward
-        ):
-            self.free(prev)
-        seen = self.fwd_seen if self.phase == "forward" else self.bwd_seen
-        seen.append(gi)
-        if group.fulls is None:
-            shards = [self.shards[i] for i in group.idx]
-            fulls = _Gather.apply(self, group, *shards)
+    def use(self, gis: list[int], *, new_op: bool) -> None:
+        """Make the groups one op needs resident; free the previous op's other groups.
+
+        ``new_op``: this call starts a new op (forward: every torch function; backward: a
+        new autograd node). Groups the same op needs are never freed under it.
+        """
+        if new_op:
+            stale = [g for g in self.active if g not in gis]
+            self.active = list(dict.fromkeys(gis))
+            if self.phase == "backward" or self.policy.reshard_after_forward:
+                for g in stale:
+                    self.free(self.groups[g])
         else:
-            fulls = self.gather(group)
-        self.current = group
-        self._prefetch(gi)
-        return fulls
+            self.active.extend(g for g in gis if g not in self.active)
+        for gi in dict.fromkeys(gis):
+            group = self.groups[gi]
+            if group.resident:
+                continue
+            (self.fwd_seen if self.phase == "forward" else self.bwd_seen).append(gi)
+            if group.fulls is None:  # first use in this micro-batch: enters autograd here
+                _Gather.apply(self, group, *[self.shards[i] for i in group.idx])
+            else:
+                self.gather(group)
+            self._prefetch(gi)
 
     def _prefetch(self, gi: int) -> None:
+        """Start gathering the group that came after this one when the order was recorded."""
         if not self.policy.prefetch:
             return
-        order = self.plan.fwd_order if self.phase == "forward" else self.plan.bwd_order
-        if not order:
-            return
-        try:
-            pos = order.index(gi, 0)
-        except ValueError:
-            return
-        for nxt in order[pos + 1 : pos + 2]:
-            g = self.groups[nxt]
-            if nxt != gi and not g.resident and g.pending is None and (
-                self.phase == "forward" or g.fulls is not None
-            ):
-                g.pending = self._launch(g, async_op=True)
+        forward = self.phase == "forward"
+        order = self.plan.fwd_order if forward else self.plan.bwd_order
+        seen = self.fwd_seen if forward else self.bwd_seen
+        pos = len(seen) - 1
+        if not order or pos + 1 >= len(order) or order[pos] != gi:
+            return  # past the recorded order, or this step diverged from it: no guess
+        g = self.groups[order[pos + 1]]
+        if g.gi != gi and not g.resident and g.pending is None and (forward or g.fulls is not None):
+            g.pending = self._launch(g, async_op=True)
+            self._note_peak()
 
     # saved tensors --------------------------------------------------------------------
 
@@ -295,7 +309,9 @@ class _Run:
     def unpack(self, packed):
         if isinstance(packed, tuple):
             gi, t = packed
-            self.materialize(gi)
+            node = torch._C._current_autograd_node()
+            self.use([gi], new_op=node is None or node is not self.node)
+            self.node = node
             return t
         return packed
 
@@ -329,7 +345,7 @@ class _Run:
         self.phase = "backward"
         if self.policy.reshard_after_forward:  # keep only the group backward starts with
             for g in self.groups:
-                if g is not self.current:
+                if g.gi not in self.active:
                     self.free(g)
 
     def finish(self) -> None:
@@ -339,16 +355,8 @@ class _Run:
                 g.pending.wait()
                 g.pending = None
         if self.record:
-            self.plan.fwd_order = _dedup(self.fwd_seen)
-            self.plan.bwd_order = _dedup(self.bwd_seen)
-
-
-def _dedup(seq: list[int]) -> list[int]:
-    out: list[int] = []
-    for x in seq:
-        if not out or out[-1] != x:
-            out.append(x)
-    return out
+            self.plan.fwd_order = list(self.fwd_seen)
+            self.plan.bwd_order = list(self.bwd_seen)
 
 
 # -- the lazy parameter stand-in ---------------------------------------------------------
@@ -374,19 +382,19 @@ class _Lazy(torch.Tensor):
         t._run, t._gi, t._k = run, gi, k
         return t
 
-    def _full(self) -> torch.Tensor:
-        return self._run.materialize(self._gi)[self._k]
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        args, kwargs = optree.tree_map(
-            lambda x: x._full() if isinstance(x, _Lazy) else x, (args, kwargs),
-            none_is_leaf=True,
-        )
+        flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        lazies = [x for x in flat if isinstance(x, _Lazy)]
+        if lazies:
+            run = lazies[0]._run
+            run.use([x._gi for x in lazies], new_op=True)
+            flat = [run.groups[x._gi].fulls[x._k] if isinstance(x, _Lazy) else x for x in flat]
+            args, kwargs = optree.tree_unflatten(spec, flat)
         return func(*args, **kwargs)
 
     @classmethod
@@ -529,8 +537,12 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         grad_tree = optree.tree_unflatten(plan.spec, grads)  # None for frozen/unused leaves
         params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
                                              step=state.step)
-        metrics = {"loss": mean_loss, "grad_norm": norm,
-                   "peak_groups": max(r.peak_groups for r in runs)}
+        metrics = {
+            "loss": mean_loss,
+            "grad_norm": norm,
+            "unsharded_groups_peak": max(r.peak_groups for r in runs),
+            "unsharded_bytes_peak": max(r.peak_bytes for r in runs),
+        }
         if any(a is not None for a in aux_all):
             metrics["aux"] = aux_all[0] if k == 1 else aux_all
         return TrainState(params, opt_state, state.step + 1), metrics

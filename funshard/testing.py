@@ -23,6 +23,7 @@ import pickle
 import tempfile
 import time
 import traceback
+import weakref
 from collections import Counter
 from datetime import timedelta
 from multiprocessing.connection import wait as _wait
@@ -266,3 +267,61 @@ class CountCollectives(TorchDispatchMode):
             self.counts[kind] += 1
             self.bytes[kind] += _nbytes(args[0]) if args else 0
         return func(*args, **kwargs)
+
+
+# -- live tensor memory ------------------------------------------------------------------
+
+
+class LiveMemory(TorchDispatchMode):
+    """Peak bytes of live tensor storages created while active, sampled after every op.
+
+    Storages are tracked by weak reference, so freed tensors leave the count, and a storage
+    resized to 0 bytes (a freed unsharded parameter) counts 0. Only storages allocated by ops
+    under the mode are counted: views and in-place results of existing tensors are not.
+
+        >>> with LiveMemory() as mem:
+        ...     state, _ = step(state, batch)
+        >>> mem.peak   # bytes
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, Any] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_storage_key(t) for t in _tensors((args, tuple(kwargs.values())))}
+        for t in _tensors(out):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            # views and in-place results alias an input: not a new allocation
+            if st._cdata not in self._live and st._cdata not in inputs:
+                self._live[st._cdata] = weakref.ref(st)  # the storage lives as its tensors do
+        total = 0
+        for key, ref in list(self._live.items()):
+            st = ref()
+            if st is None:
+                del self._live[key]
+            else:
+                total += st.nbytes()
+        self.peak = max(self.peak, total)
+        return out
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)

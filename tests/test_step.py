@@ -1,0 +1,377 @@
+"""train_step: N ranks match one process on the N*B batch; collectives; memory; errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funshard as fs
+from funshard.models import GPT, MLP, gpt_loss, mse_loss
+from funshard.testing import CountCollectives, mesh
+from conftest import MESHES
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    if name == "gpt":  # uneven: vocab 37, dim 12 -> rows not divisible by 2, 3 or 4
+        model = GPT(vocab=37, dim=12, heads=2, layers=3, seq=8)
+        return model, gpt_loss(model), "tokens"
+    if name == "mlp":
+        model = MLP(dim=5, hidden=7, layers=3, out=3)
+        return model, mse_loss(model), "regression"
+    if name == "mlpstack":  # PyTorch's own FSDP test model
+        from torch.testing._internal.common_fsdp import MLPStack
+
+        model = MLPStack(6)
+        return model, mse_loss(model), "regression6"
+    raise ValueError(name)
+
+
+def batches(kind, world, per_rank, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        n = world * per_rank
+        if kind == "tokens":
+            out.append((torch.randint(0, 37, (n, 8), generator=g),
+                        torch.randint(0, 37, (n, 8), generator=g)))
+        elif kind == "regression":
+            out.append((torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)))
+        else:
+            out.append((torch.randn(n, 6, generator=g), torch.randn(n, 6, generator=g)))
+    return out
+
+
+def optimizers(kind, params_for_torch):
+    if kind == "sgd":
+        return (fs.optim.sgd(lr=0.05, momentum=0.9),
+                torch.optim.SGD(params_for_torch, lr=0.05, momentum=0.9))
+    return (fs.optim.adamw(lr=1e-2, weight_decay=0.1),
+            torch.optim.AdamW(params_for_torch, lr=1e-2, weight_decay=0.1))
+
+
+def parity(spec, model_name, opt_name, policy_kwargs, steps=3, per_rank=2, frozen=None):
+    """Train with funshard on the mesh and with plain torch on the full batch; compare."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, loss_fn, kind = build(model_name)
+    ref = copy.deepcopy(model)
+    if frozen:
+        for mod in (model, ref):
+            for n, p in mod.named_parameters():
+                if n.startswith(frozen):
+                    p.requires_grad_(False)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()
+                     if not p.requires_grad}
+    ours, theirs = optimizers(opt_name, [p for p in ref.parameters() if p.requires_grad])
+    policy = fs.Policy(**policy_kwargs)
+    step = fs.train_step(loss_fn, ours, policy=policy)
+    state = step.init(fs.shard(fs.params(model), m))
+    ref_loss = _ref_loss(model_name, ref)
+    curve, ref_curve, norms, ref_norms, counts = [], [], [], [], []
+    for b in batches(kind, world, per_rank, steps):
+        local = tuple(x[rank * per_rank:(rank + 1) * per_rank] for x in b)
+        with CountCollectives() as cc:
+            state, metrics = step(state, local)
+        counts.append(dict(cc.counts))
+        curve.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        theirs.zero_grad()
+        k = policy.accumulate
+        total = 0.0
+        for j in range(k):  # the reference accumulates like a user of plain torch would
+            mb = tuple(torch.cat([x[r * per_rank:(r + 1) * per_rank].chunk(k)[j]
+                                  for r in range(world)]) for x in b)
+            loss = ref_loss(dict(ref.named_parameters()), mb)
+            (loss / k).backward()
+            total += loss.item() / k
+        ref_curve.append(total)
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(
+            [p for p in ref.parameters() if p.grad is not None],
+            policy.clip_norm if policy.clip_norm else float("inf")).item())
+        theirs.step()
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    frozen_ok = all(torch.equal(full[n], v) for n, v in frozen_before.items())
+    frozen_state = [n for n, v in _state_leaves(state.opt_state).items()
+                    if n in frozen_before and v is not None]
+    return dict(err=err, curve=curve, ref_curve=ref_curve, norms=norms, ref_norms=ref_norms,
+                counts=counts, frozen_ok=frozen_ok, frozen_state=frozen_state,
+                groups=len(fs.step._Plan(state.params, policy).members))
+
+
+def _ref_loss(model_name, ref):
+    return gpt_loss(ref) if model_name == "gpt" else mse_loss(ref)
+
+
+def _state_leaves(opt_state):
+    import optree
+
+    out = {}
+    for field in opt_state:
+        paths, leaves, _ = optree.tree_flatten_with_path(field, none_is_leaf=True,
+                                                         namespace="funshard")
+        for p, v in zip(paths, leaves):
+            out[".".join(map(str, p))] = v
+    return out
+
+
+def check(results, *, tol=1e-5, curve_tol=1e-5):
+    """Parameters to ``tol`` (None: AdamW, judged by its loss curve), curves, norms, frozen."""
+    for rank, r in enumerate(results):
+        if tol is not None:
+            assert r["err"] < tol, f"rank {rank}: params differ from one process by {r['err']}"
+        for a, b in zip(r["curve"], r["ref_curve"]):
+            assert abs(a - b) <= curve_tol * max(1.0, abs(b)), (r["curve"], r["ref_curve"])
+        for a, b in zip(r["norms"], r["ref_norms"]):
+            assert abs(a - b) <= 1e-4 * max(1.0, b), (r["norms"], r["ref_norms"])
+        assert r["frozen_ok"] and r["frozen_state"] == []
+
+
+@pytest.mark.parametrize("spec", MESHES, ids=str)
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_gpt_sgd_parity(pools, spec, raf):
+    """Tied embedding/head, uneven shapes, every mesh, both resharding policies."""
+    results = pools.run(spec, parity, "gpt", "sgd", {"reshard_after_forward": raf})
+    check(results)
+    world = fs.testing.world_of(spec)
+    for r in results:
+        g = r["groups"]  # root (embeddings, final norm, tied head) + 3 blocks
+        assert g == 4
+        for c in r["counts"][1:]:
+            if world == 1:
+                assert c == {}, c
+                continue
+            ag = 2 * g if raf else g
+            ar = 1 + (g if spec == "2x2" else 0)  # metrics + one per group on "replicate"
+            assert c == {"all_gather": ag, "reduce_scatter": g, "all_reduce": ar}, c
+
+
+@pytest.mark.parametrize("spec", [2, 3, "2x2"], ids=str)
+def test_adamw_loss_curve_mlpstack(pools, spec):
+    """PyTorch's own FSDP test model (MLPStack) with AdamW."""
+    check(pools.run(spec, parity, "mlpstack", "adamw", {}, steps=4), tol=None)
+
+
+@pytest.mark.parametrize("spec", [2, 4], ids=str)
+def test_frozen_layer_and_clipping(pools, spec):
+    results = pools.run(spec, parity, "mlp", "sgd", {"clip_norm": 0.05}, frozen="layers.1")
+    check(results)
+    assert all(n > 0.05 for n in results[0]["ref_norms"])  # clipping was active
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+def test_adamw_accumulation_loss_curve(pools, spec):
+    check(pools.run(spec, parity, "gpt", "adamw", {"accumulate": 2}, per_rank=4), tol=None)
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+def test_gradient_accumulation(pools, spec):
+    results = pools.run(spec, parity, "gpt", "sgd", {"accumulate": 2}, per_rank=4)
+    check(results)
+    world = fs.testing.world_of(spec)
+    if world > 1:  # one reduction per step, not per micro-batch
+        for c in results[0]["counts"]:
+            assert c["reduce_scatter"] == results[0]["groups"]
+
+
+@settings(max_examples=8)
+@given(spec=st.sampled_from(MESHES), raf=st.booleans(), accumulate=st.sampled_from([1, 2]),
+       clip=st.sampled_from([None, 0.1]), prefetch=st.booleans())
+def test_parity_property(pools, spec, raf, accumulate, clip, prefetch):
+    policy = {"reshard_after_forward": raf, "accumulate": accumulate, "clip_norm": clip,
+              "prefetch": prefetch}
+    check(pools.run(spec, parity, "mlp", "sgd", policy, steps=2, per_rank=2), tol=2e-5)
+
+
+def mixed_precision(spec):
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    curves = {}
+    for name, pol in {"fp32": fs.Policy(),
+                      "bf16": fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                      }.items():
+        model, loss_fn, kind = build("gpt")
+        step = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2), policy=pol)
+        state = step.init(fs.shard(fs.params(model), m))
+        curve = []
+        for b in batches(kind, world, 2, 5):
+            state, metrics = step(state, tuple(x[rank * 2:(rank + 1) * 2] for x in b))
+            curve.append(metrics["loss"])
+        dtypes = {str(v.dtype) for v in fs.pytree.leaves(state.params)}
+        sdt = {str(v.dtype) for v in fs.pytree.leaves(state.opt_state)}
+        curves[name] = (curve, dtypes, sdt)
+    return curves
+
+
+def test_mixed_precision_within_tolerance(pools):
+    """bf16 compute, fp32 reduce: loss within 2% of fp32; masters and state stay fp32."""
+    for r in pools.run(2, mixed_precision):
+        fp32, bf16 = r["fp32"][0], r["bf16"][0]
+        assert max(abs(a - b) / abs(a) for a, b in zip(fp32, bf16)) < 0.02, (fp32, bf16)
+        assert r["bf16"][1] == {"torch.float32"} and r["bf16"][2] == {"torch.float32"}
+        assert fp32 != bf16  # bf16 really ran
+
+
+def fsdp2_parity(spec, raf):
+    """The same GPT trained with FSDP2 fully_shard per block gives the same losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, loss_fn, kind = build("gpt")
+    theirs = copy.deepcopy(model)
+    for block in theirs.layers:
+        fully_shard(block, mesh=m, reshard_after_forward=raf)
+    fully_shard(theirs, mesh=m, reshard_after_forward=raf)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    step = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    ours_curve, fsdp_curve = [], []
+    for b in batches(kind, world, 2, 4):
+        local = tuple(x[rank * 2:(rank + 1) * 2] for x in b)
+        state, metrics = step(state, local)
+        ours_curve.append(metrics["loss"])
+        loss = F.cross_entropy(theirs(local[0]).flatten(0, 1), local[1].flatten())
+        topt.zero_grad()
+        loss.backward()
+        topt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        fsdp_curve.append(t.item() / world)
+    return ours_curve, fsdp_curve
+
+
+@pytest.mark.parametrize("spec,raf", [(2, True), (3, False), ("2x2", True)], ids=str)
+def test_matches_fsdp2(pools, spec, raf):
+    for ours, theirs in pools.run(spec, fsdp2_parity, raf):
+        assert all(abs(a - b) < 1e-5 * max(1, abs(b)) for a, b in zip(ours, theirs)), (ours,
+                                                                                        theirs)
+
+
+def memory(spec, raf, blocks=8):
+    """Unsharded-parameter peak of an 8-block transformer: the step's own count, and every
+    live tensor storage sampled at each op during the forward (where no gradient exists yet)."""
+    from funshard.testing import LiveMemory
+
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=64, heads=4, layers=blocks, seq=8)
+    fwd = LiveMemory()
+
+    def loss_fn(params, batch):  # measure the forward only: gathers happen in here
+        with fwd:
+            return gpt_loss(model)(params, batch)
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.01),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 32, (1, 8), generator=g), torch.randint(0, 32, (1, 8), generator=g))
+    state, _ = step(state, batch)  # learn the order (prefetch starts on step 2)
+    fwd.peak = 0
+    with LiveMemory() as whole:
+        state, metrics = step(state, batch)
+    block_bytes = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return dict(groups=metrics["unsharded_groups_peak"], bytes=metrics["unsharded_bytes_peak"],
+                fwd_peak=fwd.peak, step_peak=whole.peak, block=block_bytes, model=model_bytes)
+
+
+def test_full_shard_keeps_about_two_blocks_unsharded(pools):
+    full_shard, grad_op = (pools.run(2, memory, raf)[0] for raf in (True, False))
+    block, model = full_shard["block"], full_shard["model"]
+    # the step's own count: the computing group and the prefetched one
+    assert full_shard["groups"] == 2 and full_shard["bytes"] <= 2 * block + 1024, full_shard
+    assert grad_op["bytes"] >= 0.95 * model  # SHARD_GRAD_OP keeps everything until backward
+    # independent: every live storage in the forward (same activations in both runs), so
+    # the difference is parameter memory: SHARD_GRAD_OP holds the whole model, FULL_SHARD
+    # the computing block, the prefetched one's in-flight buffers and one shard-size input
+    assert grad_op["fwd_peak"] >= model, grad_op
+    unsharded_fs = model - (grad_op["fwd_peak"] - full_shard["fwd_peak"])
+    assert unsharded_fs <= 2.6 * block, (unsharded_fs / block, full_shard, grad_op)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def step_errors(spec):
+    m = mesh(spec)
+    model, loss_fn, kind = build("mlp")
+    params = fs.shard(fs.params(model), m)
+    cases = {}
+
+    def case(name, fn):
+        try:
+            fn()
+            cases[name] = (None, "no error")
+        except Exception as e:  # noqa: BLE001
+            cases[name] = (type(e).__name__, str(e))
+
+    x, y = torch.randn(3, 5), torch.randn(3, 3)
+    vec = fs.train_step(lambda p, b: (torch.func.functional_call(model, p, (b[0],)) - b[1]) ** 2,
+                        fs.optim.sgd(lr=0.1))
+    case("vector_loss", lambda: vec(vec.init(params), (x, y)))
+    acc = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1), policy=fs.Policy(accumulate=2))
+    case("batch_split", lambda: acc(acc.init(params), (x, y)))
+    case("accumulate", lambda: fs.Policy(accumulate=0))
+    case("clip", lambda: fs.Policy(clip_norm=-1.0))
+    case("dtype", lambda: fs.Policy(param_dtype=torch.int32))
+    plain = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+    case("unsharded", lambda: plain.init(fs.params(model)))
+    # a failed step leaves the state usable: the same state then trains fine
+    case("after_failure", lambda: plain(plain.init(params), (x, y)))
+    return cases
+
+
+def test_step_errors(pools):
+    cases = pools.run(2, step_errors)[0]
+    t, msg = cases["vector_loss"]
+    assert t == "ValueError" and "scalar" in msg and "(3, 3)" in msg and ".mean()" in msg
+    t, msg = cases["batch_split"]
+    assert t == "ValueError" and "batch['0']" in msg and "(3, 5)" in msg and "accumulate=2" in msg
+    assert cases["accumulate"][0] == "ValueError" and "accumulate=0" in cases["accumulate"][1]
+    assert cases["clip"][0] == "ValueError" and "clip_norm=-1.0" in cases["clip"][1]
+    assert cases["dtype"][0] == "ValueError" and "param_dtype=torch.int32" in cases["dtype"][1]
+    t, msg = cases["unsharded"]
+    assert t == "TypeError" and "'inp.weight'" in msg and "fs.shard" in msg
+    assert cases["after_failure"] == (None, "no error")
+
+
+def test_default_groups():
+    assert fs.step.default_group("layers.3.attn.wq") == "layers.3"
+    assert fs.step.default_group("0.in_proj.weight") == "0"
+    assert fs.step.default_group("transformer.h.11.mlp.w") == "transformer.h.11"
+    assert fs.step.default_group("wte.weight") == ""
+
+
+def custom_groups(spec):
+    m = mesh(spec)
+    model, loss_fn, kind = build("gpt")
+    counts = {}
+    for name, groups in {
+        "callable": lambda fqn: "blocks" if fqn.startswith("layers.") else "rest",
+        "prefix": {k: ("a" if i % 2 else "b") for i, k in enumerate(fs.params(model))},
+        "one": "everything",
+    }.items():
+        step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1), policy=fs.Policy(groups=groups))
+        state = step.init(fs.shard(fs.params(model), m))
+        b = batches(kind, 2, 2, 1)[0]
+        with CountCollectives() as cc:
+            step(state, tuple(x[:2] for x in b))
+        counts[name] = dict(cc.counts)
+    return counts
+
+
+def test_custom_groups(pools):
+    counts = pools.run(2, custom_groups)[0]
+    # 2 groups used rest -> blocks -> rest: 3 forward gathers + 1 in backward (the head's
+    # group stays gathered), one reduce-scatter each
+    assert counts["callable"]["reduce_scatter"] == 2
+    assert counts["prefix"]["reduce_scatter"] == 2
+    assert counts["one"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
