@@ -245,6 +245,7 @@ def reduce_scatter(
     *,
     reduce_dtype: torch.dtype | None = None,
     op: str = "mean",
+    copy: bool = True,
 ) -> list[torch.Tensor | None]:
     """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
 
@@ -260,14 +261,22 @@ def reduce_scatter(
         reduce_dtype: dtype to reduce in (default: each gradient's own); results come back
             in the leaf's dtype.
         op: ``"mean"`` (divide by the number of mesh ranks) or ``"sum"``.
+        copy: False lets a world of one return ``grads`` themselves (no communication and
+            no copy); results may then alias the inputs.
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-    shard_pg, rep_pg = _groups(mesh)
     world = mesh.size()
     device = torch.device(mesh.device_type)
+    if world == 1:  # nothing to reduce
+        return [
+            torch.zeros(lay.shape, dtype=lay.dtype, device=device) if g is None
+            else g.to(lay.dtype, copy=copy)
+            for lay, g in zip(layouts, grads)
+        ]
+    shard_pg, rep_pg = _groups(mesh)
     out: list[torch.Tensor | None] = [None] * len(layouts)
     # Group leaves by reduce dtype: one collective per kind per dtype.
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -281,15 +290,14 @@ def reduce_scatter(
             if g is None:
                 g = torch.zeros(layouts[i].shape, dtype=rdt, device=device)
             full.append(g.to(rdt))
-        parts = _reduce_one_dtype([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt, device)
+        parts = _reduce_one_dtype([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt, device,
+                                  world if op == "mean" else 1)
         for i, p in zip(idx, parts):
-            if op == "mean":
-                p.div_(world)
             out[i] = p.to(layouts[i].dtype)
     return out
 
 
-def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device):
+def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device, divide):
     sh = [k for k, lay in enumerate(layouts) if lay.sharded and full[k].numel()]
     rp = [k for k, lay in enumerate(layouts) if not lay.sharded and full[k].numel()]
     results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
@@ -327,6 +335,8 @@ def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device):
             both = torch.cat(pieces)
             dist.all_reduce(both, group=rep_pg)
             torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
+    if divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
+        torch._foreach_div_(pieces, divide)
     for k, lay in enumerate(layouts):
         if results[k] is None:  # no elements
             results[k] = torch.zeros(lay.local_shape, dtype=rdt, device=device)

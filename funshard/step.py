@@ -120,9 +120,10 @@ class _Plan:
         self.group_names = list(order)
         self.members = list(order.values())
         self.group_of = [0] * len(leaves)
+        self.pos = [0] * len(leaves)  # index within its group
         for gi, idx in enumerate(self.members):
-            for i in idx:
-                self.group_of[i] = gi
+            for k, i in enumerate(idx):
+                self.group_of[i], self.pos[i] = gi, k
         self.trainable = [bool(leaf.requires_grad) for leaf in leaves]
         dt = policy.param_dtype
         self.dtypes = [dt if (dt is not None and leaf.is_floating_point()) else leaf.dtype
@@ -152,7 +153,7 @@ class _Group:
     """A communication group inside one micro-batch: its gathered tensors and their state."""
 
     __slots__ = ("gi", "idx", "sharded", "replicated", "bases", "fulls", "pending", "resident",
-                 "grads")
+                 "grads", "borrowed")
 
     def __init__(self, gi: int, idx: list[int], layouts: list[Layout]):
         self.gi, self.idx = gi, idx
@@ -163,6 +164,7 @@ class _Group:
         self.pending: collectives.Gathered | None = None
         self.resident = False
         self.grads: list[torch.Tensor | None] | None = None
+        self.borrowed = False  # fulls are the shards themselves (a world of one): never freed
 
 
 class _Gather(torch.autograd.Function):
@@ -212,9 +214,14 @@ class _Run:
 
     def gather(self, group: _Group) -> tuple[torch.Tensor, ...]:
         """Gather ``group`` (waiting for its prefetch if one is in flight) into its tensors."""
+        plan = self.plan
+        if plan.world == 1 and all(plan.dtypes[i] == self.shards[i].dtype for i in group.idx):
+            # a world of one with no cast: the shards are the full tensors; nothing to gather
+            group.fulls = tuple(self.shards[i].view_as(self.shards[i]) for i in group.idx)
+            group.bases, group.borrowed, group.resident = list(group.fulls), True, True
+            return group.fulls
         pending = group.pending or self._launch(group, async_op=False)
         group.pending = None
-        plan = self.plan
         if group.bases is None:  # first gather in this micro-batch: fresh tensors
             got = pending.wait()
             bases = [None] * len(group.idx)
@@ -249,7 +256,7 @@ class _Run:
         self.peak_bytes = max(self.peak_bytes, nbytes)
 
     def free(self, group: _Group) -> None:
-        if not group.resident:
+        if not group.resident or group.borrowed:
             return
         for k in group.sharded:
             st = group.bases[k].untyped_storage()
@@ -284,7 +291,7 @@ class _Run:
 
     def _prefetch(self, gi: int) -> None:
         """Start gathering the group that came after this one when the order was recorded."""
-        if not self.policy.prefetch:
+        if not self.policy.prefetch or self.plan.world == 1:
             return
         forward = self.phase == "forward"
         order = self.plan.fwd_order if forward else self.plan.bwd_order
@@ -332,7 +339,7 @@ class _Run:
             full = [self.acc[group.idx[k]] if self.acc is not None else grads[k] for k in keep]
             got = collectives.reduce_scatter(
                 [plan.layouts[group.idx[k]] for k in keep], full, plan.mesh,
-                reduce_dtype=self.policy.reduce_dtype,
+                reduce_dtype=self.policy.reduce_dtype, copy=False,
             )
             group.grads = [None] * len(group.idx)
             for k, g in zip(keep, got):
@@ -496,8 +503,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         for j, mb in enumerate(micro):
             run = _Run(plan, shards, policy, acc, sync=(j == k - 1), record=record and j == 0)
             lazies = [
-                _Lazy(run, plan.group_of[i], plan.members[plan.group_of[i]].index(i),
-                      lay.shape, plan.dtypes[i], shards[i].device, plan.trainable[i])
+                _Lazy(run, plan.group_of[i], plan.pos[i], lay.shape, plan.dtypes[i],
+                      shards[i].device, plan.trainable[i])
                 for i, lay in enumerate(plan.layouts)
             ]
             try:

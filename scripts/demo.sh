@@ -3,5 +3,5 @@
 # Extra arguments go to `python -m funshard train` (e.g. `--steps 50`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FUNSHARD_EXTRAS=test bash scripts/setup.sh
-exec .venv/bin/python -m funshard train "$@"
+FUNSHARD_EXTRAS=demo bash scripts/setup.sh
+exec .venv/bin/funshard train "$@"
