@@ -27,6 +27,7 @@ Caveat: a custom ``autograd.Function`` that stashes a parameter on ``ctx`` (not 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -59,6 +60,10 @@ class Policy:
             (``layers.0``, ``layers.1``, ...) and one for the rest. Or a callable
             ``fqn -> group name``, or a prefix tree of group names.
         prefetch: gather the next group asynchronously while the current one computes.
+        skip_nonfinite: when the global gradient norm is NaN or inf, skip the update on every
+            rank (they agree: the norm is all-reduced) and report ``metrics["skipped"] = 1``;
+            otherwise such a step raises ``FloatingPointError`` naming the first parameter
+            whose gradient is not finite, leaving the state unchanged.
     """
 
     reshard_after_forward: bool = True
@@ -68,6 +73,7 @@ class Policy:
     clip_norm: float | None = None
     groups: Any = None
     prefetch: bool = True
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -537,6 +543,20 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         both = both.cpu()
         mean_loss = both[0].item() / plan.world
         norm = both[1].clamp_min(0).sqrt().item()
+        base = {
+            "loss": mean_loss,
+            "grad_norm": norm,
+            "unsharded_groups_peak": max(r.peak_groups for r in runs),
+            "unsharded_bytes_peak": max(r.peak_bytes for r in runs),
+            "skipped": 0,
+        }
+        if any(a is not None for a in aux_all):
+            base["aux"] = aux_all[0] if k == 1 else aux_all
+        if not math.isfinite(norm):
+            if policy.skip_nonfinite:  # every rank sees the same norm: all skip together
+                return TrainState(state.params, state.opt_state, state.step + 1), {
+                    **base, "skipped": 1}
+            _raise_nonfinite(plan, grads, present, state.step)
         if policy.clip_norm is not None and present:
             coef = min(1.0, policy.clip_norm / (norm + 1e-6))
             if coef < 1.0:
@@ -544,14 +564,26 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         grad_tree = optree.tree_unflatten(plan.spec, grads)  # None for frozen/unused leaves
         params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
                                              step=state.step)
-        metrics = {
-            "loss": mean_loss,
-            "grad_norm": norm,
-            "unsharded_groups_peak": max(r.peak_groups for r in runs),
-            "unsharded_bytes_peak": max(r.peak_bytes for r in runs),
-        }
-        if any(a is not None for a in aux_all):
-            metrics["aux"] = aux_all[0] if k == 1 else aux_all
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return TrainState(params, opt_state, state.step + 1), base
 
     return TrainStep(init, apply)
+
+
+def _raise_nonfinite(plan: _Plan, grads: list, present: list[int], step: int) -> None:
+    """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
+    bad = torch.tensor([0.0 if grads[i].isfinite().all() else 1.0 for i in present])
+    if plan.world > 1:
+        dev = grads[present[0]].device
+        bad = bad.to(dev)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        bad = bad.cpu()
+    hits = [present[j] for j in range(len(present)) if bad[j] > 0]
+    lay = plan.layouts[hits[0]] if hits else None
+    where = (f"the gradient of {lay.path!r} (shape {tuple(lay.shape)}, on "
+             f"{collectives.mesh_str(plan.mesh)})" if lay else "the loss")
+    raise FloatingPointError(
+        f"train_step: {where} is not finite (NaN or inf) at step {step}"
+        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}. The parameters and "
+        "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
+        "fs.Policy(skip_nonfinite=True) to skip such steps."
+    )

@@ -375,3 +375,39 @@ def test_custom_groups(pools):
     assert counts["callable"]["reduce_scatter"] == 2
     assert counts["prefix"]["reduce_scatter"] == 2
     assert counts["one"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+
+
+def nonfinite(spec):
+    m = mesh(spec)
+    rank = dist.get_rank()
+    model, loss_fn, kind = build("mlp")
+
+    def poisoned(params, batch):  # on rank 1 only, layers.1's gradient is NaN
+        loss = loss_fn(params, batch)
+        if rank == 1:
+            loss = loss + 0 * (params["layers.1.0.weight"] * float("nan")).sum()
+        return loss
+
+    out = {}
+    for skip in (True, False):
+        step = fs.train_step(poisoned, fs.optim.adamw(lr=0.1),
+                             policy=fs.Policy(skip_nonfinite=skip))
+        state = step.init(fs.shard(fs.params(model), m))
+        before = {k: v.to_local().clone() for k, v in state.params.items()}
+        x, y = torch.randn(2, 5), torch.randn(2, 3)
+        try:
+            state, metrics = step(state, (x, y))
+            out[skip] = ("ok", metrics["skipped"], state.step)
+        except FloatingPointError as e:
+            out[skip] = ("raised", str(e), state.step)
+        out[(skip, "unchanged")] = all(torch.equal(before[k], v.to_local())
+                                       for k, v in state.params.items())
+    return out
+
+
+def test_nonfinite_gradients_skip_or_raise(pools):
+    for r in pools.run(2, nonfinite):
+        assert r[True] == ("ok", 1, 1) and r[(True, "unchanged")]
+        kind, msg, step = r[False]
+        assert kind == "raised" and "'layers.1.0.weight'" in msg and "(7, 7)" in msg
+        assert "skip_nonfinite=True" in msg and "unchanged" in msg and r[(False, "unchanged")]
