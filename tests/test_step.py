@@ -382,11 +382,11 @@ def nonfinite(spec):
     rank = dist.get_rank()
     model, loss_fn, kind = build("mlp")
 
+    poison = float("nan") if rank == 1 else 0.0
+
     def poisoned(params, batch):  # on rank 1 only, layers.1's gradient is NaN
-        loss = loss_fn(params, batch)
-        if rank == 1:
-            loss = loss + 0 * (params["layers.1.0.weight"] * float("nan")).sum()
-        return loss
+        # every rank runs the same ops (the same groups, in the same order), values differ
+        return loss_fn(params, batch) + 0 * (params["layers.1.0.weight"] * poison).sum()
 
     out = {}
     for skip in (True, False):
