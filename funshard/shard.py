@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -22,20 +23,25 @@ from .collectives import REPLICATE, SHARD, Layout, mesh_str
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
 
 
-def _init_process_group(device_type: str) -> None:
+def _init_process_group(device_type: str, timeout: float | None) -> None:
     if dist.is_initialized():
         return
+    kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / torch elastic
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kw)
     else:  # a plain single process: a world of one
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
 
 
 def make_mesh(
-    shard: int | None = None, replicate: int = 1, *, device_type: str | None = None
+    shard: int | None = None,
+    replicate: int = 1,
+    *,
+    device_type: str | None = None,
+    timeout: float | None = None,
 ) -> DeviceMesh:
     """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks.
 
@@ -46,6 +52,9 @@ def make_mesh(
         shard: ranks per shard group (default: world size // replicate).
         replicate: number of replicas (HSDP); 1 gives a 1-D mesh.
         device_type: "cuda" or "cpu" (default: cuda when available).
+        timeout: seconds a collective may wait before it fails with a timeout error on
+            every rank (default: torch's, 10-30 minutes); used when this call initialises
+            the process group.
     Returns:
         DeviceMesh; ``make_mesh(shard=2, replicate=2)`` on 4 ranks -> 2x2.
     """
@@ -54,7 +63,9 @@ def make_mesh(
     for name, v in (("shard", shard), ("replicate", replicate)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"make_mesh: {name}={v!r} must be a positive int")
-    _init_process_group(device_type)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"make_mesh: timeout={timeout!r} must be a positive number of seconds")
+    _init_process_group(device_type, timeout)
     world = dist.get_world_size()
     if world % replicate:
         raise ValueError(
