@@ -6,7 +6,8 @@
     >>> full = fs.unshard(sparams)
 """
 
-from . import collectives, optim, pytree
+from . import checkpoint, collectives, optim, pytree
+from .checkpoint import load_state_dict, state_dict
 from .collectives import reduce_grads
 from .pytree import params
 from .shard import make_mesh, reshard, shard, unshard
@@ -16,7 +17,9 @@ __all__ = [
     "Policy",
     "TrainState",
     "TrainStep",
+    "checkpoint",
     "collectives",
+    "load_state_dict",
     "make_mesh",
     "optim",
     "params",
@@ -24,6 +27,7 @@ __all__ = [
     "reduce_grads",
     "reshard",
     "shard",
+    "state_dict",
     "train_step",
     "unshard",
 ]

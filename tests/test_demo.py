@@ -1,0 +1,70 @@
+"""The demo CLI end to end: trains, checkpoints, resumes on another world size; bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from funshard import demo
+
+
+def run_cli(*args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "funshard", "train", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "32", "--batch", "2",
+         "--sample", "40", "--no-progress"]
+
+
+def test_train_checkpoint_and_resume_on_another_world(tmp_path):
+    out = str(tmp_path / "run")
+    first = run_cli(*SMALL, "--steps", "30", "--ckpt-every", "15", "--out", out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    recs = [json.loads(x) for x in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    assert {r["mesh"] for r in recs} == {"2x2"} and recs[0]["world"] == 4
+    early = sum(r["loss"] for r in recs[:5]) / 5
+    late = sum(r["loss"] for r in recs[-5:]) / 5
+    assert late < early - 0.3, (early, late)  # it learns
+    for name in ("loss.png", "summary.json", "sample.txt"):
+        assert os.path.getsize(f"{out}/{name}") > 0
+    assert sorted(os.listdir(f"{out}/checkpoints")) == ["step_000015", "step_000030"]
+    assert "final loss" in first.stdout and "collectives/step" in first.stdout
+
+    # resume on 2 processes (1-D mesh) and continue the step count
+    second = run_cli(*SMALL, "--steps", "40", "--nproc", "2", "--resume", "--ckpt-every", "20",
+                     "--out", out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    recs = [json.loads(x) for x in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in recs][30:] == list(range(31, 41))
+    assert recs[-1]["world"] == 2 and recs[-1]["mesh"] == "1x2"
+    summary = json.load(open(f"{out}/summary.json"))
+    assert summary["resumed_from"][1] == 30 and summary["steps"] == 40
+    assert "resumed from" in second.stdout
+    # the resumed run carries on from the trained model, not from scratch
+    assert recs[30]["loss"] < early - 0.3
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mesh", "3x3"], "--mesh 3x3 needs 9 processes but the world has 4"),
+        (["--mesh", "two"], "--mesh 'two' is not RxS"),
+        (["--corpus", "/no/such/file.txt"], "--corpus /no/such/file.txt: no such file"),
+        (["--batch", "5", "--accumulate", "2"], "--batch 5 does not split into --accumulate 2"),
+        (["--dim", "30", "--heads", "4"], "--dim 30 is not divisible by --heads 4"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--policy", "no-shard", "--mesh", "1x4"], "--policy no-shard replicates everything"),
+        (["--resume", "--out", "/nonexistent/run"], "--resume: no complete checkpoint under"),
+    ],
+)
+def test_bad_flags_give_one_line(capsys, flags, message):
+    assert demo.main(["train", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("funshard train: error: ") and message in err
