@@ -371,6 +371,15 @@ class _Run:
             self.plan.fwd_order = list(self.fwd_seen)
             self.plan.bwd_order = list(self.bwd_seen)
 
+    def release(self) -> None:
+        """Drop every tensor this run holds. Autograd's ``ctx.run`` makes a cycle through
+        C++ (run -> gathered tensor -> grad_fn -> ctx -> run) that Python's collector cannot
+        see, so the step breaks it by hand once the gradients are taken."""
+        for g in self.groups:
+            g.fulls = g.bases = g.grads = g.pending = None
+        self.storage.clear()
+        self.shards = []
+
 
 # -- the lazy parameter stand-in ---------------------------------------------------------
 
@@ -530,6 +539,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
             if g.grads is not None:
                 for k2, i in enumerate(g.idx):
                     grads[i] = g.grads[k2]
+        peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
+        for r in runs:
+            r.release()
         # one all-reduce per step for the loss metric and the global gradient norm
         sq = torch.zeros((), dtype=torch.float64)
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -546,8 +558,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         base = {
             "loss": mean_loss,
             "grad_norm": norm,
-            "unsharded_groups_peak": max(r.peak_groups for r in runs),
-            "unsharded_bytes_peak": max(r.peak_bytes for r in runs),
+            "unsharded_groups_peak": peaks[0],
+            "unsharded_bytes_peak": peaks[1],
             "skipped": 0,
         }
         if any(a is not None for a in aux_all):
