@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint interval in steps (0: no checkpoints)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the local processes this many times after a failure; a "
+                   "restarted run resumes from the latest checkpoint (as under torchrun)")
+    t.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: the last rank kills itself before this step, on the "
+                   "first attempt only")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sample", type=int, default=300, help="bytes of text to sample at the end")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,6 +96,8 @@ def parse_mesh(text: str | None, world: int, policy: str) -> tuple[int, int]:
 def validate(args: argparse.Namespace, world: int) -> None:
     if args.ckpt_every < 0:
         raise UsageError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     for name in ("steps", "batch", "seq", "dim", "layers", "heads", "accumulate", "nproc",
                  "keep"):
         if getattr(args, name) < 1:
@@ -191,7 +199,8 @@ def train(args: argparse.Namespace) -> dict:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     resumed_from = None
-    if args.resume:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if args.resume or (restarted and fs.checkpoint.latest(ckpt_dir) is not None):
         path = fs.checkpoint.latest(ckpt_dir)
         state = fs.checkpoint.load(path, like=state)
         resumed_from = (str(path), state.step)
@@ -207,6 +216,8 @@ def train(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     first_step = state.step
     while state.step < args.steps:
+        if args.fail_at_step == state.step and not restarted and rank == world - 1:
+            os.kill(os.getpid(), 9)  # a crash: no clean-up, no exception
         x, y = get_batch(train_data, state.step, dp_rank, args.batch, args.seq, args.seed)
         t0 = time.perf_counter()
         if collectives is None and state.step > first_step:  # count one steady-state step
@@ -356,7 +367,8 @@ def launch_local(args: argparse.Namespace) -> int:
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"funshard-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=args.max_restarts,
         monitor_interval=0.5, start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -31,7 +31,20 @@ def _init_process_group(device_type: str, timeout: float | None) -> None:
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, **kw)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # A restarted elastic job reuses the agent's store, where the dead workers'
+            # addresses still sit under the default keys: key this attempt's group apart.
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                timeout=kw.get("timeout", timedelta(minutes=5)),
+            )
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"funshard/attempt_{attempt}", store),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **kw,
+            )
+        else:
+            dist.init_process_group(backend, **kw)
     else:  # a plain single process: a world of one
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
 

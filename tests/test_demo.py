@@ -68,3 +68,31 @@ def test_bad_flags_give_one_line(capsys, flags, message):
     assert demo.main(["train", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("funshard train: error: ") and message in err
+
+
+def test_rank_killed_under_torchrun_restarts_and_matches_uninterrupted(tmp_path):
+    """torchrun --max-restarts=1: a rank SIGKILLs itself at step 12; the job restarts, resumes
+    from the step-10 checkpoint, and every step's loss equals an uninterrupted run's."""
+    flags = [*SMALL, "--steps", "20", "--ckpt-every", "5"]
+    ref = run_cli(*flags, "--nproc", "2", "--out", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    faulty = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", "-m", "funshard", "train", *flags, "--mesh", "1x2",
+         "--fail-at-step", "12", "--out", str(tmp_path / "faulty")],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert "resumed from" in faulty.stdout and "step_000010" in faulty.stdout
+
+    def losses(run):
+        out = {}
+        for line in open(tmp_path / run / "metrics.jsonl"):
+            rec = json.loads(line)
+            out[rec["step"]] = rec["loss"]  # the restarted attempt's record wins
+        return out
+
+    lines = open(tmp_path / "faulty" / "metrics.jsonl").read().splitlines()
+    assert len(lines) == 22  # steps 11 and 12 ran twice: before the kill and after the restart
+    assert losses("faulty") == losses("ref")
