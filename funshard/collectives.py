@@ -14,6 +14,7 @@ layout, reduce-scatters it once on ``"shard"``, all-reduces the result once on
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Sequence
 
@@ -27,6 +28,29 @@ from . import pytree
 SHARD = "shard"
 REPLICATE = "replicate"
 _ALIGN = 16  # bytes; every rank's segment of a byte buffer is a multiple of this
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete within the process group's timeout."""
+
+
+@contextlib.contextmanager
+def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
+    """Turn a backend's timeout into a :class:`CollectiveTimeout` that says what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        where = kind + (f" on mesh dimension {dim!r}" if dim else "") + (
+            f" of {mesh_str(mesh)}" if mesh is not None else "")
+        raise CollectiveTimeout(
+            f"funshard: {where} did not complete in time on rank {dist.get_rank()}: another "
+            "rank is stuck, died, or issued a different collective (every rank must run the "
+            "same ops on the same groups in the same order). The limit is make_mesh(timeout=...)."
+            f" Backend said: {text.strip()[:300]}"
+        ) from e
 
 
 def mesh_str(mesh: DeviceMesh) -> str:
@@ -165,7 +189,9 @@ class Gathered:
         allocating; what is returned are then views of them (``[:rows]``).
         """
         if self._work is not None:
-            self._work.wait()
+            with watch("all-gather", None):
+                self._work.wait()
+            self._work = None
         layouts, dtypes = self._layouts, self._dtypes
         order, sizes, total, pad = self._plan
         outs: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
@@ -234,7 +260,8 @@ def all_gather(
         return Gathered(None, inp, layouts, dtypes, plan, device)
     out = torch.empty(world * (total + pad), dtype=torch.uint8, device=device)
     shard_pg, _ = _groups(mesh)
-    work = dist.all_gather_single(out, inp, group=shard_pg, async_op=async_op)
+    with watch("all-gather", mesh, SHARD):
+        work = dist.all_gather_single(out, inp, group=shard_pg, async_op=async_op)
     return Gathered(work if async_op else None, out, layouts, dtypes, plan, device)
 
 
@@ -309,7 +336,8 @@ def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device, divide):
         torch._chunk_cat([full[k] for k in sh], dim=0, num_chunks=world, out=inp)
         if world > 1:
             rs = torch.empty(seg, dtype=rdt, device=device)
-            dist.reduce_scatter_single(rs, inp.view(-1), group=shard_pg)
+            with watch("reduce-scatter", None, SHARD):
+                dist.reduce_scatter_single(rs, inp.view(-1), group=shard_pg)
         else:
             rs = inp.view(-1)
         offset = 0
@@ -321,7 +349,8 @@ def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device, divide):
     if rp:
         flat = torch.cat([full[k].reshape(-1) for k in rp])
         if dist.get_world_size(shard_pg) > 1:
-            dist.all_reduce(flat, group=shard_pg)
+            with watch("all-reduce", None, SHARD):
+                dist.all_reduce(flat, group=shard_pg)
         offset = 0
         for k in rp:
             n = full[k].numel()
@@ -330,10 +359,12 @@ def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device, divide):
         pieces.append(flat)
     if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
         if len(pieces) == 1:
-            dist.all_reduce(pieces[0], group=rep_pg)
+            with watch("all-reduce", None, REPLICATE):
+                dist.all_reduce(pieces[0], group=rep_pg)
         else:  # one all-reduce for both kinds: reduce a concatenation, copy back
             both = torch.cat(pieces)
-            dist.all_reduce(both, group=rep_pg)
+            with watch("all-reduce", None, REPLICATE):
+                dist.all_reduce(both, group=rep_pg)
             torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
     if divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
         torch._foreach_div_(pieces, divide)

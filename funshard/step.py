@@ -551,7 +551,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
             sq = (torch.stack(norms).double() ** 2 * w).sum()
         both = torch.stack([loss_sum / k, sq]).to(shards[0].device if shards else "cpu")
         if plan.world > 1:
-            dist.all_reduce(both)
+            with collectives.watch("all-reduce of the step's metrics", plan.mesh):
+                dist.all_reduce(both)
         both = both.cpu()
         mean_loss = both[0].item() / plan.world
         norm = both[1].clamp_min(0).sqrt().item()
