@@ -495,9 +495,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     plans: dict[Any, _Plan] = {}  # per tree structure, learned once (like a jit cache)
 
     def plan_for(params: Tree) -> _Plan:
-        key = pytree.flatten(params)[1]
-        if key not in plans:
-            plans[key] = _Plan(params, policy)
+        leaves, spec = pytree.flatten(params)
+        key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
+        if key not in plans or not all(isinstance(x, DTensor) for x in leaves):
+            plans[key] = _Plan(params, policy)  # validates: DTensors, one mesh, placements
         return plans[key]
 
     def init(params: Tree) -> TrainState:
