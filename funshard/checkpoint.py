@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
 from . import collectives, pytree
@@ -652,9 +653,11 @@ def _write(sd, path: str, token: str, info: dict, *, keep: int | None, pg) -> No
             names.append(".metadata")
         files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)),
                      "crc32": _crc32(os.path.join(tmp, n))} for n in names}
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        why = lines[-1].strip() if lines else ""  # DCP wraps per-rank tracebacks: keep the cause
         err = ("CheckpointError", f"save to {path!r} failed on rank {rank}: "
-                                  f"{type(e).__name__}: {e}")
+                                  f"{type(e).__name__}: {why}")
     gathered = _all_gather_obj((files, err), pg)
     errors = [e for _, e in gathered]
     if rank == 0:
@@ -768,7 +771,7 @@ def load(path: str | os.PathLike, like: Tree, *, verify: bool = True) -> Tree:
     try:
         dcp.load(target, storage_reader=dcp.FileSystemReader(where),
                  no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001 - DCP raises on every rank alike
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
         raise CheckpointError(f"incomplete or corrupted checkpoint at {path!r}: reading it "
                               f"failed: {type(e).__name__}: {str(e)[:2000]}") from e
     values = []
