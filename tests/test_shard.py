@@ -120,6 +120,7 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
 # -- properties --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES, ids=str)
 @given(leaves=TREES, seed=st.integers(0, 2**16))
 def test_roundtrip_laws(pools, spec, leaves, seed):
@@ -132,6 +133,7 @@ def test_roundtrip_laws(pools, spec, leaves, seed):
         assert gather_counts == expect, gather_counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES, ids=str)
 @given(shapes=st.lists(st.lists(SIZES, min_size=0, max_size=3).map(tuple), min_size=1,
                        max_size=3), seed=st.integers(0, 2**16))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import funshard as fs
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, mesh
-from conftest import MESHES
+from conftest import EXAMPLES, MESHES
 
 
 def build(name, seed=0):
@@ -179,7 +179,8 @@ def test_gradient_accumulation(pools, spec):
             assert c["reduce_scatter"] == results[0]["groups"]
 
 
-@settings(max_examples=8)
+@pytest.mark.slow
+@settings(max_examples=max(8, EXAMPLES // 3))
 @given(spec=st.sampled_from(MESHES), raf=st.booleans(), accumulate=st.sampled_from([1, 2]),
        clip=st.sampled_from([None, 0.1]), prefetch=st.booleans())
 def test_parity_property(pools, spec, raf, accumulate, clip, prefetch):
