@@ -148,12 +148,16 @@ def check_same_structure(a: Tree, b: Tree, *, names: tuple[str, str] = ("a", "b"
     """Raise :class:`TreeMismatchError` naming the first differing path on both sides."""
     if flatten(a)[1] == flatten(b)[1]:
         return
+    raise _mismatch(a, b, names, "The two trees must have the same keys and nesting (e.g. both "
+                    "from fs.params(model)).")
+
+
+def _mismatch(a: Tree, b: Tree, names: tuple[str, str], fix: str) -> TreeMismatchError:
     found = first_difference(a, b, names=names)
     path, how = found if found is not None else ((), "structures differ")
-    raise TreeMismatchError(
+    return TreeMismatchError(
         f"{names[0]} and {names[1]} differ at {names[0]}[{fqn(path)!r}] vs "
-        f"{names[1]}[{fqn(path)!r}]: {how}. The two trees must have the same keys and nesting "
-        "(e.g. both from fs.params(model))."
+        f"{names[1]}[{fqn(path)!r}]: {how}. {fix}"
     )
 
 
@@ -186,10 +190,5 @@ def leaves_like(tree: Tree, like: Tree, *, names: tuple[str, str] = ("tree", "li
             return spec.flatten_up_to(tree)
     except (ValueError, TypeError):
         pass
-    found = first_difference(tree, like, names=names)
-    path, how = found if found is not None else ((), "structures differ")
-    raise TreeMismatchError(
-        f"{names[0]} and {names[1]} differ at {names[0]}[{fqn(path)!r}] vs "
-        f"{names[1]}[{fqn(path)!r}]: {how}. {names[0]} must have {names[1]}'s keys and nesting "
-        "(None allowed in place of a leaf)."
-    )
+    raise _mismatch(tree, like, names, f"{names[0]} must have {names[1]}'s keys and nesting "
+                    "(None allowed in place of a leaf).")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import funshard as fs
+from funshard.testing import make_tensor
 from funshard import checkpoint as ck
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
@@ -30,13 +31,7 @@ LEAVES = st.lists(st.tuples(SHAPES, st.sampled_from(sorted(DTYPES))), min_size=1
 
 
 def make(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    dt = DTYPES[dtype]
-    if dt == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dt == torch.int64:
-        return torch.randint(-1000, 1000, shape, generator=g)
-    return torch.randn(shape, generator=g).to(dt)
+    return make_tensor(shape, dtype, seed)
 
 
 def train_state(m, leaves, seed, step=5):

@@ -8,31 +8,17 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import funshard as fs
-from funshard.testing import CountCollectives, mesh
+from funshard.testing import TEST_DTYPES, CountCollectives, capture, make_tensor, mesh
 from conftest import MESHES
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
+DTYPES = TEST_DTYPES
 SIZES = st.sampled_from([0, 1, 2, 3, 5, 7, 8, 11])
 SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple)
 LEAF = st.tuples(SHAPES, st.sampled_from(sorted(DTYPES)))
 TREES = st.lists(LEAF, min_size=1, max_size=4)
 
 
-def make(shape, dtype, seed):
-    """The same tensor on every rank, for a (shape, dtype, seed)."""
-    g = torch.Generator().manual_seed(seed)
-    dt = DTYPES[dtype]
-    if dt == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dt == torch.int64:
-        return torch.randint(-1000, 1000, shape, generator=g)
-    return torch.randn(shape, generator=g).to(dt)
+make = make_tensor
 
 
 def tree_of(leaves, seed):
@@ -259,11 +245,7 @@ def errors(spec):
     cases = {}
 
     def case(name, fn):
-        try:
-            fn()
-            cases[name] = (None, "no error")
-        except Exception as e:  # noqa: BLE001
-            cases[name] = (type(e).__name__, str(e))
+        cases[name] = capture(fn)
 
     good = fs.shard({"a": torch.randn(7, 3), "b": [torch.randn(2)]}, m)
     case("non_tensor", lambda: fs.shard({"a": torch.randn(2), "b": [3]}, m))

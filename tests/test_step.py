@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import funshard as fs
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
-from funshard.testing import CountCollectives, mesh
+from funshard.testing import CountCollectives, capture, mesh
 from conftest import EXAMPLES, MESHES
 
 
@@ -308,11 +308,7 @@ def step_errors(spec):
     cases = {}
 
     def case(name, fn):
-        try:
-            fn()
-            cases[name] = (None, "no error")
-        except Exception as e:  # noqa: BLE001
-            cases[name] = (type(e).__name__, str(e))
+        cases[name] = capture(fn)
 
     x, y = torch.randn(3, 5), torch.randn(3, 3)
     vec = fs.train_step(lambda p, b: (torch.func.functional_call(model, p, (b[0],)) - b[1]) ** 2,
