@@ -100,3 +100,19 @@ def test_soak_with_checkpoints_and_a_resume(pools, tmp_path):
         assert middle == (SOAK_STEPS // 2) // every * every
         assert len(left) == 2  # keep=2 pruned the rest
         assert straight[-1] < straight[0] * 0.5  # and it did learn
+
+
+def test_read_only_directory_during_save_keeps_previous_checkpoint(tmp_path):
+    base = Path("/tmp") / f"funshard-ro-{os.getpid()}"  # "nobody" must reach it: not tmp_path
+    base.mkdir()
+    try:
+        script = Path(__file__).with_name("fault_readonly.py")
+        out = subprocess.run([sys.executable, str(script), str(base)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith("RAISED CheckpointError: save: cannot prepare"), out.stdout
+        assert "Permission denied" in lines[0] and lines[1] == "PREVIOUS INTACT", out.stdout
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(base)], check=False)
+        subprocess.run(["rm", "-rf", str(base)], check=False)
