@@ -1,0 +1,154 @@
+"""fs.plan's arithmetic against measured steps; the benchmark end to end; --simulate at scale."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funshard as fs
+from funshard import bench
+from funshard.models import GPT, gpt_loss
+from funshard.plan import gpt_dims, gpt_order, plan
+from funshard.testing import CountCollectives, mesh, world_of
+
+DIMS = dict(vocab=37, dim=12, heads=2, layers=3, seq=8)  # uneven rows on 2, 3 and 4 ranks
+
+
+def measured(spec, raf):
+    """Step 2 (order learned, prefetch on) of a GPT: collectives, unsharded peak, state bytes."""
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = GPT(**DIMS)
+    step = fs.train_step(gpt_loss(model), fs.optim.adamw(lr=1e-3),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batch = tuple(torch.randint(0, DIMS["vocab"], (2, DIMS["seq"]), generator=g) for _ in "xy")
+    state, _ = step(state, batch)
+    with CountCollectives() as cc:
+        state, metrics = step(state, batch)
+    local = lambda tree: sum(d._local_tensor.nbytes for d in fs.pytree.leaves(tree))  # noqa
+    return dict(counts=dict(cc.counts), bytes=dict(cc.bytes),
+                peak=metrics["unsharded_bytes_peak"], params=local(state.params),
+                optimizer=local(state.opt_state))
+
+
+@pytest.mark.parametrize("spec", [2, 3, 4, "2x2"], ids=str)
+def test_plan_matches_measured(pools, spec):
+    world = world_of(spec)
+    rep, sh = (2, 2) if spec == "2x2" else (1, world)
+    with torch.device("meta"):
+        model = GPT(**DIMS)
+    for raf in (True, False):
+        p = plan(model, shard=sh, replicate=rep, policy=fs.Policy(reshard_after_forward=raf),
+                 **gpt_order(DIMS["layers"]))
+        results = pools.run(spec, measured, raf)
+        r0 = results[0]  # rank 0 holds ceil(rows / shard) rows: the largest shard
+        assert r0["counts"] == {k: t.count for k, t in p.comms.items()}, (raf, r0, p.comms)
+        for kind, t in p.comms.items():
+            assert abs(r0["bytes"][kind] - t.counted) <= 0.01 * t.counted, (kind, r0, t)
+        assert abs(r0["peak"] - p.memory["unsharded_peak"]) <= 0.01 * r0["peak"], (raf, r0, p)
+        assert r0["params"] == p.memory["params"] == max(r["params"] for r in results)
+        assert r0["optimizer"] == p.memory["optimizer"]
+        assert p.bound["reduce_scatter"].count == DIMS["layers"] + 1
+        # funshard's own traffic meets the bound: 2 (1) gathers + 1 reduction per group
+        assert p.comms["all_gather"].count == p.bound["all_gather"].count
+        assert abs(p.comms["all_gather"].bytes / p.bound["all_gather"].bytes - 1) < 0.1
+
+
+def test_simulate_7b_on_1024_ranks(capsys):
+    bench.main(["--simulate", "1024", "--mesh", "8x128", "--params", "7e9", "--vocab", "32000",
+                "--seq", "2048", "--param-dtype", "bfloat16"])
+    text = capsys.readouterr().out
+    assert "mesh 8 x 128 = 1024 ranks" in text and "| FULL_SHARD |" in text, text
+    dims = gpt_dims(7e9)
+    assert 6.5e9 < 12 * dims["layers"] * dims["dim"] ** 2 < 7.5e9
+    with torch.device("meta"):
+        model = GPT(**dims)
+    p = plan(model, shard=128, replicate=8, policy=fs.Policy(param_dtype=torch.bfloat16),
+             **gpt_order(dims["layers"]))
+    n = p.numel
+    assert abs(p.memory["params"] - 4 * n / 128) < 0.01 * 4 * n / 128  # fp32 masters
+    assert p.memory["optimizer"] == 2 * p.memory["params"]
+    assert abs(p.comms["all_gather"].bytes - 2 * 2 * n) < 0.01 * 4 * n  # bf16, twice
+    assert p.comms["all_gather"].count == 2 * (dims["layers"] + 1)
+    assert p.comms["all_reduce"].count == dims["layers"] + 1 + 1  # "replicate" + metrics
+    assert p.memory["unsharded_peak"] < 3 * max(p.group_bytes)
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match=r"shard=0 must be a positive int"):
+        plan({"w": (4, 4)}, shard=0)
+    with pytest.raises(TypeError, match=r"shapes\['w'\] is 'x'"):
+        plan({"w": "x"}, shard=2)
+    with pytest.raises(ValueError, match=r"forward names groups \['nope'\]"):
+        plan({"w": (4, 4)}, shard=2, forward=["nope"])
+    p = plan({"0.w": (7, 3), "1.w": (5,), "s": ()}, shard=3, policy=fs.Policy(groups=None))
+    assert p.groups == ("0", "1", "") and p.memory["params"] == (3 * 3 + 2 + 1) * 4
+
+
+TINY = dict(world=2, blocks=2, dim=32, seq=16, batch=2, rounds=2, warmup=2)
+
+
+def pipeline(spec, modes):
+    """The benchmark's phases in the pool's ranks (no spawning): timing, collectives, memory."""
+    cfg = bench.Config(**TINY, modes=tuple(modes))
+    timing = bench.time_modes(cfg)
+    memory = {m: bench.measure_memory(cfg, m) for m in modes}
+    return timing, memory
+
+
+def test_bench_phases_and_report(pools):
+    """Every column of the table and the JSON, from the phases run on 2 ranks."""
+    modes = ("funshard_full", "fsdp2_full", "floor")
+    timing, memory = pools.run(2, pipeline, modes)[0]
+    cfg = bench.Config(**TINY, modes=modes)
+    res = bench.summarize(cfg, timing, memory, overhead=None)
+    ours, theirs = res["modes"]["funshard_full"], res["modes"]["fsdp2_full"]
+    for key in ("step_ms", "x_twin", "x_floor", "os_peak_mb", "os_over_idle_mb", "live_peak_mb",
+                "x_twin_live_peak", "x_twin_os_over_idle", "bytes_vs_bound"):
+        assert ours[key] > 0, (key, ours)
+    assert len(ours["rounds_ms"]) == 2
+    assert ours["count_vs_bound"] == {"all_gather": 1.0, "reduce_scatter": 1.0}
+    assert abs(ours["bytes_vs_bound"] - 1) < 0.01
+    assert ours["collectives"]["metrics"] == {"count": 1, "bytes": 16, "counted": 16}
+    assert ours["unsharded_bytes_peak"] == ours["plan"]["memory"]["unsharded_peak"]
+    # live tensors at step start hold at least the shards and AdamW state
+    state = ours["plan"]["memory"]["params"] + ours["plan"]["memory"]["optimizer"]
+    assert ours["live_at_step_start_mb"] * 2**20 >= state
+    assert ours["live_peak_mb"] > ours["live_at_step_start_mb"]
+    assert theirs["live_growth_mb_per_step"] == 0 and "x_twin" not in theirs
+    assert res["modes"]["floor"]["collectives"] == {}
+    text = bench.table(res)
+    assert "| funshard_full |" in text and "| target | value | limit | met |" in text
+    json.dumps(res)
+
+
+def test_funshard_step_keeps_no_tensors_alive(pools):
+    """Live tensors between steps stay constant (a cycle through autograd's ctx once kept each
+    step's run and its reduced gradients alive)."""
+    timing, memory = pools.run(2, pipeline, ("funshard_full", "funshard_grad_op"))[0]
+    for mode, ranks in memory.items():
+        assert all(r["growth_per_step"] == 0 for r in ranks), (mode, ranks)
+
+
+def test_bench_command_line(tmp_path):
+    """The real command on 2 spawned ranks and the world-1 run: the table and the JSON."""
+    out = tmp_path / "bench.json"
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    proc = subprocess.run(
+        [sys.executable, "-m", "funshard.bench", *args, "--no-memory",
+         "--modes", "funshard_full,fsdp2_full,floor", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| mode | step ms median (best) | x FSDP2 twin | x floor |" in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert list(res["modes"]) == ["funshard_full", "fsdp2_full", "floor"]
+    assert res["modes"]["funshard_full"]["x_twin"] > 0
+    assert res["world1"]["ratio"] > 0
+    assert {t["target"] for t in res["targets"]} >= {"funshard_full step / fsdp2_full",
+                                                     "world 1: funshard / plain step"}
