@@ -430,7 +430,14 @@ def _entry(rank: int, world: int, port: int, out: str, fn, cfg: Config, args: tu
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(result, f)
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter teardown: with FSDP2's modules alive, gloo's threads were sometimes
+    # destroyed while joinable ("terminate called without an active exception", SIGABRT)
+    # after the result was already written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable, cfg: Config, *args) -> Any:

@@ -273,7 +273,8 @@ def reduce_scatter(
     reduce_dtype: torch.dtype | None = None,
     op: str = "mean",
     copy: bool = True,
-) -> list[torch.Tensor | None]:
+    async_op: bool = False,
+) -> list[torch.Tensor | None] | Reducing:
     """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
 
     Sharded leaves are reduce-scattered on ``"shard"``, replicated ones all-reduced on
@@ -283,13 +284,15 @@ def reduce_scatter(
 
     Args:
         layouts: one :class:`Layout` per gradient.
-        grads: full-shape gradients, same order.
+        grads: full-shape gradients, same order (they may be freed once this returns).
         mesh: the mesh of the leaves.
         reduce_dtype: dtype to reduce in (default: each gradient's own); results come back
             in the leaf's dtype.
         op: ``"mean"`` (divide by the number of mesh ranks) or ``"sum"``.
         copy: False lets a world of one return ``grads`` themselves (no communication and
             no copy); results may then alias the inputs.
+        async_op: return a :class:`Reducing` once the reduce-scatter is launched;
+            ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
@@ -298,18 +301,19 @@ def reduce_scatter(
     world = mesh.size()
     device = torch.device(mesh.device_type)
     if world == 1:  # nothing to reduce
-        return [
+        out = [
             torch.zeros(lay.shape, dtype=lay.dtype, device=device) if g is None
             else g.to(lay.dtype, copy=copy)
             for lay, g in zip(layouts, grads)
         ]
+        return Reducing([], out, layouts) if async_op else out
     shard_pg, rep_pg = _groups(mesh)
-    out: list[torch.Tensor | None] = [None] * len(layouts)
     # Group leaves by reduce dtype: one collective per kind per dtype.
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, lay in enumerate(layouts):
         rdt = reduce_dtype or (grads[i].dtype if grads[i] is not None else lay.dtype)
         by_dtype.setdefault(rdt, []).append(i)
+    parts = []
     for rdt, idx in by_dtype.items():
         full = []
         for i in idx:
@@ -317,61 +321,90 @@ def reduce_scatter(
             if g is None:
                 g = torch.zeros(layouts[i].shape, dtype=rdt, device=device)
             full.append(g.to(rdt))
-        parts = _reduce_one_dtype([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt, device,
-                                  world if op == "mean" else 1)
-        for i, p in zip(idx, parts):
-            out[i] = p.to(layouts[i].dtype)
-    return out
+        parts.append((idx, _ReduceOne([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt,
+                                      device, world if op == "mean" else 1)))
+    pending = Reducing(parts, None, layouts)
+    return pending if async_op else pending.wait()
 
 
-def _reduce_one_dtype(layouts, full, shard_pg, rep_pg, rdt, device, divide):
-    sh = [k for k, lay in enumerate(layouts) if lay.sharded and full[k].numel()]
-    rp = [k for k, lay in enumerate(layouts) if not lay.sharded and full[k].numel()]
-    results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
-    pieces = []
-    if sh:
-        world = layouts[sh[0]].world
-        seg = sum(layouts[k].padded_numel for k in sh)
-        inp = torch.empty(world, seg, dtype=rdt, device=device)
-        torch._chunk_cat([full[k] for k in sh], dim=0, num_chunks=world, out=inp)
-        if world > 1:
-            rs = torch.empty(seg, dtype=rdt, device=device)
+class Reducing:
+    """An in-flight bucketed gradient reduction; :meth:`wait` returns the local shards."""
+
+    def __init__(self, parts, done, layouts):
+        self._parts, self._done, self._layouts = parts, done, layouts
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self._done is None:
+            out: list[torch.Tensor | None] = [None] * len(self._layouts)
+            for idx, part in self._parts:
+                for i, p in zip(idx, part.wait()):
+                    out[i] = p.to(self._layouts[i].dtype)
+            self._done, self._parts = out, []
+        return self._done
+
+
+class _ReduceOne:
+    """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
+
+    def __init__(self, layouts, full, shard_pg, rep_pg, rdt, device, divide):
+        self.layouts, self.rep_pg, self.rdt, self.device = layouts, rep_pg, rdt, device
+        self.divide = divide
+        self.works, self.pieces = [], []
+        self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
+        sh = [k for k, lay in enumerate(layouts) if lay.sharded and full[k].numel()]
+        rp = [k for k, lay in enumerate(layouts) if not lay.sharded and full[k].numel()]
+        if sh:
+            world = layouts[sh[0]].world
+            seg = sum(layouts[k].padded_numel for k in sh)
+            inp = torch.empty(world, seg, dtype=rdt, device=device)
+            torch._chunk_cat([full[k] for k in sh], dim=0, num_chunks=world, out=inp)
+            if world > 1:
+                rs = torch.empty(seg, dtype=rdt, device=device)
+                with watch("reduce-scatter", None, SHARD):
+                    self.works.append(dist.reduce_scatter_single(
+                        rs, inp.view(-1), group=shard_pg, async_op=True))
+            else:
+                rs = inp.view(-1)
+            offset = 0
+            for k in sh:
+                lay = layouts[k]
+                n = lay.local_rows * lay.row_numel
+                self.results[k] = rs[offset : offset + n].view(lay.local_shape)
+                offset += lay.padded_numel
+            self.pieces.append(rs)
+        if rp:
+            flat = torch.cat([full[k].reshape(-1) for k in rp])
+            if dist.get_world_size(shard_pg) > 1:
+                with watch("all-reduce", None, SHARD):
+                    self.works.append(dist.all_reduce(flat, group=shard_pg, async_op=True))
+            offset = 0
+            for k in rp:
+                n = full[k].numel()
+                self.results[k] = flat[offset : offset + n].view(layouts[k].shape)
+                offset += n
+            self.pieces.append(flat)
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
             with watch("reduce-scatter", None, SHARD):
-                dist.reduce_scatter_single(rs, inp.view(-1), group=shard_pg)
-        else:
-            rs = inp.view(-1)
-        offset = 0
-        for k in sh:
-            lay = layouts[k]
-            results[k] = rs[offset : offset + lay.local_rows * lay.row_numel].view(lay.local_shape)
-            offset += lay.padded_numel
-        pieces.append(rs)
-    if rp:
-        flat = torch.cat([full[k].reshape(-1) for k in rp])
-        if dist.get_world_size(shard_pg) > 1:
-            with watch("all-reduce", None, SHARD):
-                dist.all_reduce(flat, group=shard_pg)
-        offset = 0
-        for k in rp:
-            n = full[k].numel()
-            results[k] = flat[offset : offset + n].view(layouts[k].shape)
-            offset += n
-        pieces.append(flat)
-    if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
-        if len(pieces) == 1:
-            with watch("all-reduce", None, REPLICATE):
-                dist.all_reduce(pieces[0], group=rep_pg)
-        else:  # one all-reduce for both kinds: reduce a concatenation, copy back
-            both = torch.cat(pieces)
-            with watch("all-reduce", None, REPLICATE):
-                dist.all_reduce(both, group=rep_pg)
-            torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
-    if divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
-        torch._foreach_div_(pieces, divide)
-    for k, lay in enumerate(layouts):
-        if results[k] is None:  # no elements
-            results[k] = torch.zeros(lay.local_shape, dtype=rdt, device=device)
-    return results
+                work.wait()
+        self.works = []
+        pieces, rep_pg = self.pieces, self.rep_pg
+        if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
+            if len(pieces) == 1:
+                with watch("all-reduce", None, REPLICATE):
+                    dist.all_reduce(pieces[0], group=rep_pg)
+            else:  # one all-reduce for both kinds: reduce a concatenation, copy back
+                both = torch.cat(pieces)
+                with watch("all-reduce", None, REPLICATE):
+                    dist.all_reduce(both, group=rep_pg)
+                torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
+        if self.divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
+            torch._foreach_div_(pieces, self.divide)
+        for k, lay in enumerate(self.layouts):
+            if self.results[k] is None:  # no elements
+                self.results[k] = torch.zeros(lay.local_shape, dtype=self.rdt, device=self.device)
+        return self.results
 
 
 class _Unshard(torch.autograd.Function):

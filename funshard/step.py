@@ -201,6 +201,7 @@ class _Run:
         self.acc, self.sync = acc, sync  # acc: per-leaf accumulated full grads (or None)
         self.groups = [_Group(gi, idx, plan.layouts) for gi, idx in enumerate(plan.members)]
         self.active: list[int] = []  # groups the latest op (or autograd node) uses
+        self.reducing = None  # (group, leaf positions, collectives.Reducing) in flight
         self.node = None  # the autograd node whose saved tensors are being unpacked
         self.phase = "forward"
         self.storage: dict[int, _Group] = {}  # storage data_ptr -> group
@@ -343,16 +344,28 @@ class _Run:
                 self.acc[i] = g if self.acc[i] is None else self.acc[i].add_(g)
         if self.sync and keep:
             full = [self.acc[group.idx[k]] if self.acc is not None else grads[k] for k in keep]
-            got = collectives.reduce_scatter(
+            # Launch this group's reduction and finish the previous one: one in flight, so it
+            # overlaps the next group's backward and at most two groups' buffers are alive.
+            pending = collectives.reduce_scatter(
                 [plan.layouts[group.idx[k]] for k in keep], full, plan.mesh,
-                reduce_dtype=self.policy.reduce_dtype, copy=False,
+                reduce_dtype=self.policy.reduce_dtype, copy=False, async_op=True,
             )
-            group.grads = [None] * len(group.idx)
-            for k, g in zip(keep, got):
-                group.grads[k] = g
-                if self.acc is not None:
+            if self.acc is not None:
+                for k in keep:
                     self.acc[group.idx[k]] = None
+            self.settle()
+            self.reducing = (group, keep, pending)
         self.free(group)
+
+    def settle(self) -> None:
+        """Finish the reduction in flight (if any) and keep its gradient shards."""
+        if self.reducing is None:
+            return
+        group, keep, pending = self.reducing
+        self.reducing = None
+        group.grads = [None] * len(group.idx)
+        for k, g in zip(keep, pending.wait()):
+            group.grads[k] = g
 
     def end_forward(self) -> None:
         self.phase = "backward"
@@ -362,6 +375,7 @@ class _Run:
                     self.free(g)
 
     def finish(self) -> None:
+        self.settle()
         for g in self.groups:
             self.free(g)
             if g.pending is not None:  # a prefetch nobody used: finish it, drop the buffer
@@ -378,6 +392,7 @@ class _Run:
         for g in self.groups:
             g.fulls = g.bases = g.grads = g.pending = None
         self.storage.clear()
+        self.reducing = None
         self.shards = []
 
 
