@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local processes to start when not under torchrun")
     t.add_argument("--corpus", default=None, help="a UTF-8 text file (default: shipped KJV)")
     t.add_argument("--out", default="runs/demo", help="output directory")
+    t.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint directory (default: OUT/checkpoints)")
     t.add_argument("--ckpt-every", type=int, default=100,
                    help="checkpoint interval in steps (0: no checkpoints)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
@@ -119,11 +121,15 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.resume:
         from funshard import checkpoint
 
-        if checkpoint.latest(Path(args.out) / "checkpoints") is None:
-            raise UsageError(f"--resume: no complete checkpoint under {args.out}/checkpoints")
+        if checkpoint.latest(ckpt_dir_of(args)) is None:
+            raise UsageError(f"--resume: no complete checkpoint under {ckpt_dir_of(args)}")
     corpus = load_corpus(args.corpus)
     if len(corpus) < 2 * (args.seq + 1):
         raise UsageError(f"--corpus has {len(corpus)} bytes; it needs at least {2 * args.seq + 2}")
+
+
+def ckpt_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.ckpt_dir) if args.ckpt_dir else Path(args.out) / "checkpoints"
 
 
 def load_corpus(path: str | None) -> torch.Tensor:
@@ -195,7 +201,7 @@ def train(args: argparse.Namespace) -> dict:
     step_fn = fs.train_step(gpt_loss(model), fs.optim.adamw(lr, weight_decay=0.1), policy=policy)
     state = step_fn.init(fs.shard(fs.params(model), mesh))
     out = Path(args.out)
-    ckpt_dir = out / "checkpoints"
+    ckpt_dir = ckpt_dir_of(args)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     resumed_from = None
