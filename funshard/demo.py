@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="funshard", description="funshard demo training run")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a small GPT on a shipped text corpus")
-    t.add_argument("--steps", type=int, default=400, help="optimizer steps in total")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
     t.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     t.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
     t.add_argument("--dim", type=int, default=96, help="model width")
