@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
