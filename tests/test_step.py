@@ -151,7 +151,7 @@ def test_gpt_sgd_parity(pools, spec, raf):
             assert c == {"all_gather": ag, "reduce_scatter": g, "all_reduce": ar}, c
 
 
-@pytest.mark.parametrize("spec", [2, 3, "2x2"], ids=str)
+@pytest.mark.parametrize("spec", MESHES, ids=str)
 def test_adamw_loss_curve_mlpstack(pools, spec):
     """PyTorch's own FSDP test model (MLPStack) with AdamW."""
     check(pools.run(spec, parity, "mlpstack", "adamw", {}, steps=4), tol=None)
