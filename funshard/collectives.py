@@ -361,8 +361,8 @@ class _ReduceOne:
             if world > 1:
                 rs = torch.empty(seg, dtype=rdt, device=device)
                 with watch("reduce-scatter", None, SHARD):
-                    self.works.append(dist.reduce_scatter_single(
-                        rs, inp.view(-1), group=shard_pg, async_op=True))
+                    self.works.append(("reduce-scatter", dist.reduce_scatter_single(
+                        rs, inp.view(-1), group=shard_pg, async_op=True)))
             else:
                 rs = inp.view(-1)
             offset = 0
@@ -376,7 +376,8 @@ class _ReduceOne:
             flat = torch.cat([full[k].reshape(-1) for k in rp])
             if dist.get_world_size(shard_pg) > 1:
                 with watch("all-reduce", None, SHARD):
-                    self.works.append(dist.all_reduce(flat, group=shard_pg, async_op=True))
+                    self.works.append(("all-reduce", dist.all_reduce(flat, group=shard_pg,
+                                                                     async_op=True)))
             offset = 0
             for k in rp:
                 n = full[k].numel()
@@ -385,8 +386,8 @@ class _ReduceOne:
             self.pieces.append(flat)
 
     def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            with watch("reduce-scatter", None, SHARD):
+        for kind, work in self.works:
+            with watch(kind, None, SHARD):
                 work.wait()
         self.works = []
         pieces, rep_pg = self.pieces, self.rep_pg

@@ -252,8 +252,11 @@ def train(args: argparse.Namespace) -> dict:
         bar.close()
     wall = time.perf_counter() - t_start
     steps_run = state.step - first_step
-    val = _eval(fs, model, state.params, val_data, args, device)
-    sample = _sample(fs, model, state.params, args, device)
+    with torch.no_grad():
+        full = fs.unshard(state.params)  # one gather serves evaluation and sampling
+    val = _eval(model, full, val_data, args, device)
+    sample = _sample(model, full, args, device)
+    del full
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_rss_mb())
     summary = {
@@ -288,11 +291,10 @@ def _progress(total: int, initial: int):
 
 
 @torch.no_grad()
-def _eval(fs, model, params, data, args, device) -> float:
-    """Mean validation loss over a few fixed batches (every rank takes part in the gathers)."""
+def _eval(model, full, data, args, device) -> float:
+    """Mean validation loss over a few fixed batches, with the full parameters."""
     from funshard.models import gpt_loss
 
-    full = fs.unshard(params)
     loss_fn = gpt_loss(model)
     losses = [loss_fn(full, tuple(t.to(device) for t in
                                   get_batch(data, i, 0, args.batch, args.seq, args.seed + 1)))
@@ -301,9 +303,8 @@ def _eval(fs, model, params, data, args, device) -> float:
 
 
 @torch.no_grad()
-def _sample(fs, model, params, args, device) -> str:
+def _sample(model, full, args, device) -> str:
     """Greedy-ish sampling (temperature 0.8) from the trained model, same on every rank."""
-    full = fs.unshard(params)
     g = torch.Generator().manual_seed(args.seed)
     idx = torch.tensor([list(b"And ")], device=device)
     for _ in range(args.sample):
