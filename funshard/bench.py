@@ -541,10 +541,12 @@ def targets(out: dict) -> list[dict]:
             g = row["live_growth_mb_per_step"]
             add(f"{m} live tensors grow MB/step", g, 0, g <= 0.01)
         if "count_vs_bound" in row:
-            exact = all(v == 1 for v in row["count_vs_bound"].values())
-            add(f"{m} collectives / bound", row["count_vs_bound"], 1, exact)
+            # at most the bound: FULL_SHARD keeps the group backward starts with gathered
+            # from forward on, one all-gather under "2 per group"
+            at_most = all(v <= 1 for v in row["count_vs_bound"].values())
+            add(f"{m} collectives / bound", row["count_vs_bound"], 1, at_most)
             add(f"{m} bytes / bound", row["bytes_vs_bound"], 1.01,
-                abs(row["bytes_vs_bound"] - 1) <= 0.01)
+                row["bytes_vs_bound"] <= 1.01)
     if "world1" in out:
         add("world 1: funshard / plain step", out["world1"]["ratio"], 1.03,
             out["world1"]["ratio"] <= 1.03)

@@ -243,8 +243,11 @@ def all_gather(
     order, sizes, total, pad = plan
     if not order:
         return Gathered(None, None, layouts, dtypes, plan, device)
-    world = layouts[order[0]].world
-    inp = torch.empty(total + pad, dtype=torch.uint8, device=device)
+    world, rank = layouts[order[0]].world, layouts[order[0]].rank
+    # In place: this rank's input is its own segment of the output, so no separate input
+    # buffer lives while the gather is in flight.
+    out = torch.empty(world * (total + pad), dtype=torch.uint8, device=device)
+    inp = out[rank * (total + pad) : (rank + 1) * (total + pad)]
     dst, src = [], []
     offset = 0
     for i, size in zip(order, sizes):
@@ -257,8 +260,7 @@ def all_gather(
     if dst:
         torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
     if world == 1:  # nothing to gather
-        return Gathered(None, inp, layouts, dtypes, plan, device)
-    out = torch.empty(world * (total + pad), dtype=torch.uint8, device=device)
+        return Gathered(None, out, layouts, dtypes, plan, device)
     shard_pg, _ = _groups(mesh)
     with watch("all-gather", mesh, SHARD):
         work = dist.all_gather_single(out, inp, group=shard_pg, async_op=async_op)
@@ -296,35 +298,148 @@ def reduce_scatter(
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-    world = mesh.size()
-    device = torch.device(mesh.device_type)
-    if world == 1:  # nothing to reduce
-        out = [
-            torch.zeros(lay.shape, dtype=lay.dtype, device=device) if g is None
-            else g.to(lay.dtype, copy=copy)
-            for lay, g in zip(layouts, grads)
-        ]
-        return Reducing([], out, layouts) if async_op else out
-    shard_pg, rep_pg = _groups(mesh)
-    # Group leaves by reduce dtype: one collective per kind per dtype.
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, lay in enumerate(layouts):
-        rdt = reduce_dtype or (grads[i].dtype if grads[i] is not None else lay.dtype)
-        by_dtype.setdefault(rdt, []).append(i)
-    parts = []
-    for rdt, idx in by_dtype.items():
-        full = []
-        for i in idx:
-            g = grads[i]
-            if g is None:
-                g = torch.zeros(layouts[i].shape, dtype=rdt, device=device)
-            full.append(g.to(rdt))
-        parts.append((idx, _ReduceOne([layouts[i] for i in idx], full, shard_pg, rep_pg, rdt,
-                                      device, world if op == "mean" else 1)))
-    pending = Reducing(parts, None, layouts)
+    dtypes = [reduce_dtype or (g.dtype if g is not None else lay.dtype)
+              for lay, g in zip(layouts, grads)]
+    bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy)
+    for k, g in enumerate(grads):
+        if g is not None:
+            bucket.put(k, g)
+    pending = bucket.launch()
     return pending if async_op else pending.wait()
+
+
+class GradBucket:
+    """Full-size gradients of some leaves, laid out for one reduction, filled one at a time.
+
+    ``put(k, grad)`` copies (or adds) leaf ``k``'s gradient into place as soon as autograd
+    has it, so the gradient itself can be freed at once; ``launch()`` starts one
+    reduce-scatter on ``"shard"`` for the sharded leaves and one all-reduce for the
+    replicated ones, per reduce dtype. A leaf never put counts as zeros. Buffers are
+    allocated on the first ``put``.
+
+    Args:
+        layouts: one :class:`Layout` per leaf.
+        mesh: their mesh.
+        dtypes: the dtype each leaf is reduced in.
+        op: ``"mean"`` or ``"sum"`` over all mesh ranks.
+        alias: on a world of one (nothing to reduce) keep the first gradient put itself
+            instead of a copy; results may then alias it.
+    """
+
+    def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
+                 dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
+        self.device = torch.device(mesh.device_type)
+        self.world = mesh.size()
+        self.divide = self.world if op == "mean" else 1
+        self.alias = alias
+        self.put_ = [False] * len(self.layouts)
+        if self.world == 1:  # nothing to reduce: keep each gradient as it comes
+            self.direct: list[torch.Tensor | None] = [None] * len(self.layouts)
+            return
+        self.parts: dict[torch.dtype, _Part] = {}
+        self.where: list[tuple[_Part, int]] = []
+        for k, (lay, rdt) in enumerate(zip(self.layouts, self.dtypes)):
+            part = self.parts.get(rdt) or self.parts.setdefault(rdt, _Part(rdt, self.device))
+            self.where.append((part, part.add(lay)))
+
+    def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
+        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace)."""
+        lay = self.layouts[k]
+        if tuple(grad.shape) != tuple(lay.shape):
+            raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
+                             f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
+        first = not (add and self.put_[k])
+        self.put_[k] = True
+        if self.world == 1:
+            g = grad.to(self.dtypes[k], copy=not self.alias)
+            self.direct[k] = g if first else self.direct[k].add_(g)
+            return
+        part, j = self.where[k]
+        part.put(j, grad, first)
+
+    def launch(self) -> Reducing:
+        """Start the reduction of everything put (zeros for the rest)."""
+        if self.world == 1:
+            out = [torch.zeros(lay.shape, dtype=lay.dtype, device=self.device) if g is None
+                   else g.to(lay.dtype) for lay, g in zip(self.layouts, self.direct)]
+            return Reducing([], out, self.layouts)
+        shard_pg, rep_pg = _groups(self.mesh)
+        parts = []
+        for part in self.parts.values():
+            idx = [k for k, (p, _) in enumerate(self.where) if p is part]
+            parts.append((idx, part.launch(shard_pg, rep_pg, self.divide)))
+        self.parts = {}
+        return Reducing(parts, None, self.layouts)
+
+
+class _Part:
+    """One reduce dtype of a :class:`GradBucket`: a (world, seg) reduce-scatter input for the
+    sharded leaves (each rank's rows of every leaf, padded as ``torch.chunk`` pads) and a flat
+    all-reduce buffer for the replicated ones."""
+
+    def __init__(self, rdt: torch.dtype, device: torch.device):
+        self.rdt, self.device = rdt, device
+        self.layouts: list[Layout] = []
+        self.offsets: list[int] = []  # in the (world, seg) rows, or in the flat buffer
+        self.seg = self.flat_numel = 0
+        self.inp = self.flat = None
+        self.filled: list[bool] = []
+
+    def add(self, lay: Layout) -> int:
+        self.layouts.append(lay)
+        self.filled.append(False)
+        if lay.sharded:
+            self.offsets.append(self.seg)
+            self.seg += lay.padded_numel
+        else:
+            self.offsets.append(self.flat_numel)
+            self.flat_numel += math.prod(lay.shape)
+        return len(self.layouts) - 1
+
+    def _region(self, j: int) -> torch.Tensor:
+        """Leaf ``j``'s place: (world, chunk, row_numel) of the input, or its flat slice."""
+        lay, off = self.layouts[j], self.offsets[j]
+        if lay.sharded:
+            if self.inp is None:
+                self.inp = torch.empty(lay.world, self.seg, dtype=self.rdt, device=self.device)
+            return self.inp[:, off : off + lay.padded_numel].view(lay.world, lay.chunk,
+                                                                  lay.row_numel)
+        if self.flat is None:
+            self.flat = torch.empty(self.flat_numel, dtype=self.rdt, device=self.device)
+        return self.flat[off : off + math.prod(lay.shape)]
+
+    def put(self, j: int, grad: torch.Tensor, first: bool) -> None:
+        lay, dst = self.layouts[j], self._region(j)
+        if not lay.sharded:
+            src = grad.reshape(-1)
+            dst.copy_(src) if first else dst.add_(src)
+            self.filled[j] = True
+            return
+        rows, c = lay.rows, lay.chunk
+        self.filled[j] = True
+        if not dst.numel():
+            return
+        src = grad.reshape(rows, lay.row_numel)
+        whole, rem = divmod(rows, c)  # ranks with a full chunk; rows of the next one
+        parts = [(dst[:whole], src[: whole * c].view(whole, c, lay.row_numel))]
+        if rem:
+            parts.append((dst[whole, :rem], src[whole * c :]))
+        for d, s in parts:
+            d.copy_(s) if first else d.add_(s)
+        if first and rows < lay.world * c:  # padding rows reduce as zeros
+            if rem:
+                dst[whole, rem:].zero_()
+            dst[whole + (1 if rem else 0) :].zero_()
+
+    def launch(self, shard_pg, rep_pg, divide) -> _ReduceOne:
+        for j, lay in enumerate(self.layouts):
+            if not self.filled[j] and (self.seg if lay.sharded else self.flat_numel):
+                self._region(j).zero_()  # never put: zeros (every rank takes part)
+        return _ReduceOne(self.layouts, self.offsets, self.inp, self.flat, shard_pg, rep_pg,
+                          self.rdt, self.device, divide)
 
 
 class Reducing:
@@ -346,43 +461,34 @@ class Reducing:
 class _ReduceOne:
     """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
 
-    def __init__(self, layouts, full, shard_pg, rep_pg, rdt, device, divide):
+    def __init__(self, layouts, offsets, inp, flat, shard_pg, rep_pg, rdt, device, divide):
         self.layouts, self.rep_pg, self.rdt, self.device = layouts, rep_pg, rdt, device
         self.divide = divide
         self.works, self.pieces = [], []
         self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
-        sh = [k for k, lay in enumerate(layouts) if lay.sharded and full[k].numel()]
-        rp = [k for k, lay in enumerate(layouts) if not lay.sharded and full[k].numel()]
-        if sh:
-            world = layouts[sh[0]].world
-            seg = sum(layouts[k].padded_numel for k in sh)
-            inp = torch.empty(world, seg, dtype=rdt, device=device)
-            torch._chunk_cat([full[k] for k in sh], dim=0, num_chunks=world, out=inp)
+        if inp is not None and inp.numel():
+            world = inp.shape[0]
             if world > 1:
-                rs = torch.empty(seg, dtype=rdt, device=device)
+                rs = torch.empty(inp.shape[1], dtype=rdt, device=device)
                 with watch("reduce-scatter", None, SHARD):
                     self.works.append(("reduce-scatter", dist.reduce_scatter_single(
                         rs, inp.view(-1), group=shard_pg, async_op=True)))
             else:
                 rs = inp.view(-1)
-            offset = 0
-            for k in sh:
-                lay = layouts[k]
-                n = lay.local_rows * lay.row_numel
-                self.results[k] = rs[offset : offset + n].view(lay.local_shape)
-                offset += lay.padded_numel
+            for k, lay in enumerate(layouts):
+                if lay.sharded and lay.local_rows * lay.row_numel:
+                    n = lay.local_rows * lay.row_numel
+                    self.results[k] = rs[offsets[k] : offsets[k] + n].view(lay.local_shape)
             self.pieces.append(rs)
-        if rp:
-            flat = torch.cat([full[k].reshape(-1) for k in rp])
+        if flat is not None and flat.numel():
             if dist.get_world_size(shard_pg) > 1:
                 with watch("all-reduce", None, SHARD):
                     self.works.append(("all-reduce", dist.all_reduce(flat, group=shard_pg,
                                                                      async_op=True)))
-            offset = 0
-            for k in rp:
-                n = full[k].numel()
-                self.results[k] = flat[offset : offset + n].view(layouts[k].shape)
-                offset += n
+            for k, lay in enumerate(layouts):
+                if not lay.sharded and math.prod(lay.shape):
+                    n = math.prod(lay.shape)
+                    self.results[k] = flat[offsets[k] : offsets[k] + n].view(lay.shape)
             self.pieces.append(flat)
 
     def wait(self) -> list[torch.Tensor]:

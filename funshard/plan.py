@@ -9,7 +9,7 @@ without a process group, so a 7B-parameter model on 1024 ranks costs nothing to 
     >>> p = plan(model, shard=128, replicate=8, policy=Policy(param_dtype=torch.bfloat16),
     ...          **gpt_order(32))
     >>> p.memory["params"] / 2**20      # MiB of fp32 master shards on the largest rank
-    >>> p.comms["all_gather"].count     # 66: 2 per block + 2 for the root group
+    >>> p.comms["all_gather"].count     # 65: the root twice, every block twice but the last
 
 Byte conventions, per kind and step: ``bytes`` is the logical buffer (all-gather output,
 reduce-scatter input, all-reduce tensor), the quantity the lower bound "2 all-gathers + 1
@@ -151,9 +151,11 @@ def plan(
             ``prefetch`` as the step would use them.
         optimizer: ``"adamw"`` (2 state tensors per parameter), ``"sgd_momentum"`` (1),
             ``"sgd"`` (0).
-        forward, backward: group names in the order the loss uses them (a group may repeat);
-            default: groups in parameter order, backward in reverse with the last forward
-            group still gathered. :func:`gpt_order` gives the GPT's.
+        forward, backward: group names in the order the loss uses them (a group may repeat),
+            backward listing the groups it gathers again; default: groups in parameter
+            order, backward in reverse with the last forward group still gathered.
+            :func:`gpt_order` gives the GPT's. As the step does, a backward that starts with
+            one of the last two forward groups keeps that group gathered from forward on.
     Returns:
         :class:`Plan`. ``memory`` (bytes, on the rank with the largest shards): ``params``,
         ``grads`` (reduced shards, until the optimizer runs), ``optimizer``,
@@ -186,6 +188,8 @@ def plan(
                              f"the groups are {groups}.")
     fwd = [index[g] for g in forward] if forward is not None else list(range(len(groups)))
     bwd = [index[g] for g in backward] if backward is not None else _dedupe(fwd[::-1])[1:]
+    if policy.reshard_after_forward and bwd and bwd[0] in _dedupe(fwd)[-2:]:
+        bwd = bwd[1:]  # the step keeps it gathered from its forward use into backward
     world = shard * replicate
 
     # memory on the largest rank (rank 0 of "shard" holds ceil(rows / shard) rows)

@@ -2,13 +2,20 @@
 
 ``loss_fn(params, batch)`` sees every parameter with its full shape. Inside the step each
 parameter is a lazy stand-in (:class:`_Lazy`); the first op that touches one gathers its
-whole communication group with one all-gather. With ``reshard_after_forward=True`` the
-previous group is freed as the next one is gathered, so about two groups are unsharded at
-any moment. Autograd's saved copies of gathered parameters share the group's storage, which
-is freed (resized to 0 bytes) with the group; ``saved_tensors_hooks`` tag them and, when
-backward needs one, gather its group again into the same storage. Each group's gradients
-are reduce-scattered as soon as backward is done with the group (one collective per group),
-then the gradient norm, clipping and the optimizer run on the local shards.
+whole communication group with one all-gather (in place: this rank's input is its segment
+of the output). With ``reshard_after_forward=True`` the previous group is freed as the next
+one is gathered, so about two groups are unsharded at any moment; the group backward starts
+with stays gathered from its forward use on. Autograd's saved copies of gathered parameters
+share the group's storage, which is freed (resized to 0 bytes) with the group;
+``saved_tensors_hooks`` count and tag them and, when backward needs one, gather its group
+again into the same storage.
+
+Backward is frugal where FSDP2 holds a block whole: each parameter is let go after the last
+of its saved copies is used; the next group is prefetched only once half of the current one
+is consumed; each parameter's gradient goes into the group's reduce buffer the moment it is
+complete (:class:`_Tap`), not when the whole group is. Each group's buffer is reduce-scattered
+as soon as backward is done with the group (one collective per group, one in flight), then
+the gradient norm, clipping and the optimizer run on the local shards.
 
 Why this mechanism (measured in tests/test_step.py): module hooks are out by design;
 activation checkpointing would recompute the forward; a per-op DTensor redistribute issues
@@ -48,8 +55,10 @@ class Policy:
 
     Args:
         reshard_after_forward: True frees each group after its forward use and gathers it
-            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group);
-            False keeps groups gathered until their backward (SHARD_GRAD_OP: 1 + 1).
+            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group, but 1
+            all-gather for the group backward starts with when forward used it last: it is
+            kept, as torchtitan configures FSDP2's last block); False keeps groups gathered
+            until their backward (SHARD_GRAD_OP: 1 + 1).
         param_dtype: compute dtype for floating parameters (e.g. torch.bfloat16); master
             weights and optimizer state keep the parameters' dtype.
         reduce_dtype: dtype gradients are reduced in (e.g. torch.float32).
@@ -131,6 +140,9 @@ class _Plan:
             for k, i in enumerate(idx):
                 self.group_of[i], self.pos[i] = gi, k
         self.trainable = [bool(leaf.requires_grad) for leaf in leaves]
+        # per group: positions of its trainable leaves, whose gradients are reduced
+        self.keep = [[k for k, i in enumerate(idx) if self.trainable[i]] for idx in self.members]
+        self.slot = [{k: j for j, k in enumerate(keep)} for keep in self.keep]
         dt = policy.param_dtype
         self.dtypes = [dt if (dt is not None and leaf.is_floating_point()) else leaf.dtype
                        for leaf in leaves]
@@ -145,6 +157,9 @@ class _Plan:
         ]
         self.fwd_order: list[int] | None = None  # learned on the first step
         self.bwd_order: list[int] | None = None
+        # the group backward needs first, when forward used it last: it stays gathered
+        # from forward into backward instead of being freed and gathered again at once
+        self.hold: int | None = None
         if mesh.size() != dist.get_world_size():
             raise ValueError(
                 f"train_step: the mesh {collectives.mesh_str(mesh)} has {mesh.size()} ranks but "
@@ -159,18 +174,39 @@ class _Group:
     """A communication group inside one micro-batch: its gathered tensors and their state."""
 
     __slots__ = ("gi", "idx", "sharded", "replicated", "bases", "fulls", "pending", "resident",
-                 "grads", "borrowed")
+                 "grads", "borrowed", "saved", "held", "handed_on")
 
     def __init__(self, gi: int, idx: list[int], layouts: list[Layout]):
         self.gi, self.idx = gi, idx
         self.sharded = [k for k, i in enumerate(idx) if layouts[i].sharded]
         self.replicated = [k for k, i in enumerate(idx) if not layouts[i].sharded]
         self.bases: list[torch.Tensor] | None = None  # padded full tensors (own storages)
-        self.fulls: tuple[torch.Tensor, ...] | None = None  # what loss_fn computes with
+        self.fulls: list[torch.Tensor | None] | None = None  # what loss_fn computes with
         self.pending: collectives.Gathered | None = None
         self.resident = False
         self.grads: list[torch.Tensor | None] | None = None
         self.borrowed = False  # fulls are the shards themselves (a world of one): never freed
+        self.saved = [0] * len(idx)  # per leaf: autograd's saved copies not yet unpacked
+        self.held = 0  # bytes of gathered storages this run still holds
+        self.handed_on = False  # backward has prefetched the group after this one
+
+
+class _Tap(torch.autograd.Function):
+    """A trainable gathered leaf as ``loss_fn`` sees it. Its backward runs as soon as the
+    leaf's gradient is complete and copies it into the group's reduce buffer, so the full
+    gradient is freed at once instead of waiting for the rest of the group's backward."""
+
+    @staticmethod
+    def forward(ctx, run, group, k, full):
+        ctx.run, ctx.group, ctx.k = run, group, k
+        ctx.set_materialize_grads(False)
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            ctx.run.put(ctx.group, ctx.k, grad)
+        return None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -196,18 +232,23 @@ class _Run:
     """State of one micro-batch: which groups are gathered, and the gradients reduced."""
 
     def __init__(self, plan: _Plan, shards: list[torch.Tensor], policy: Policy,
-                 acc: list | None, sync: bool, record: bool):
+                 buckets: dict, accumulating: bool, sync: bool, record: bool):
         self.plan, self.shards, self.policy = plan, shards, policy
-        self.acc, self.sync = acc, sync  # acc: per-leaf accumulated full grads (or None)
+        # per group: its gradients, summed over the step's micro-batches until reduced
+        self.buckets: dict[int, collectives.GradBucket] = buckets
+        self.accumulating, self.sync = accumulating, sync
+        self.tapped = plan.world > 1  # gradients reach the buckets through _Tap
         self.groups = [_Group(gi, idx, plan.layouts) for gi, idx in enumerate(plan.members)]
         self.active: list[int] = []  # groups the latest op (or autograd node) uses
         self.reducing = None  # (group, leaf positions, collectives.Reducing) in flight
         self.node = None  # the autograd node whose saved tensors are being unpacked
+        self.deferred = None  # (node, group): hand on from group once node is done
         self.phase = "forward"
-        self.storage: dict[int, _Group] = {}  # storage data_ptr -> group
+        self.storage: dict[int, tuple[_Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.record = record
-        self.fwd_seen: list[int] = []
+        self.fwd_seen: list[int] = []  # groups in the order they were gathered
         self.bwd_seen: list[int] = []
+        self.in_order = {"forward": True, "backward": True}  # seen so far == recorded order
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
 
@@ -224,9 +265,9 @@ class _Run:
         plan = self.plan
         if plan.world == 1 and all(plan.dtypes[i] == self.shards[i].dtype for i in group.idx):
             # a world of one with no cast: the shards are the full tensors; nothing to gather
-            group.fulls = tuple(self.shards[i].view_as(self.shards[i]) for i in group.idx)
+            group.fulls = [self.shards[i].view_as(self.shards[i]) for i in group.idx]
             group.bases, group.borrowed, group.resident = list(group.fulls), True, True
-            return group.fulls
+            return tuple(group.fulls)
         pending = group.pending or self._launch(group, async_op=False)
         group.pending = None
         if group.bases is None:  # first gather in this micro-batch: fresh tensors
@@ -239,37 +280,61 @@ class _Run:
             for k in group.replicated:
                 i = group.idx[k]
                 fulls[k] = bases[k] = self.shards[i].detach().to(plan.dtypes[i], copy=True)
-            group.bases, group.fulls = bases, tuple(fulls)
+            group.bases, group.fulls = bases, fulls
         else:  # gathered before and freed: refill the same storages
             for k in group.sharded:
                 b = group.bases[k]
+                if b is None:  # dropped in backward (see _drop): a fresh storage
+                    i = group.idx[k]
+                    lay = plan.layouts[i]
+                    b = group.bases[k] = torch.empty((lay.world * lay.chunk, *lay.shape[1:]),
+                                                     dtype=plan.dtypes[i],
+                                                     device=self.shards[i].device)
+                    group.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
                 b.untyped_storage().resize_(b.numel() * b.element_size())
             outs = [group.bases[k] for k in group.sharded]
             # Autograd saved these tensors; refilling them is not a mutation it must see.
             with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 pending.wait(into=outs)
+        group.held = 0
         for k in group.sharded:
-            ptr = group.bases[k].untyped_storage().data_ptr()
-            if ptr:
-                self.storage[ptr] = group
-        group.resident = True
+            st = group.bases[k].untyped_storage()
+            group.held += st.nbytes()
+            if st.data_ptr():
+                self.storage[st.data_ptr()] = (group, k)
+        group.resident, group.handed_on = True, False
         self._note_peak()
-        return group.fulls
+        return tuple(group.fulls)
 
     def _note_peak(self) -> None:
         live = [g for g in self.groups if g.resident or g.pending is not None]
         self.peak_groups = max(self.peak_groups, len(live))
-        nbytes = sum(self.plan.group_bytes[g.gi] for g in live)
+        nbytes = sum(g.held if g.resident else self.plan.group_bytes[g.gi] for g in live)
         self.peak_bytes = max(self.peak_bytes, nbytes)
 
     def free(self, group: _Group) -> None:
         if not group.resident or group.borrowed:
             return
         for k in group.sharded:
-            st = group.bases[k].untyped_storage()
-            self.storage.pop(st.data_ptr(), None)
-            st.resize_(0)
-        group.resident = False
+            if group.bases[k] is not None:
+                st = group.bases[k].untyped_storage()
+                self.storage.pop(st.data_ptr(), None)
+                st.resize_(0)
+        group.resident, group.held = False, 0
+
+    def _drop(self, group: _Group, k: int) -> None:
+        """Backward has unpacked every saved copy of leaf ``k``: let go of it.
+
+        Its storage is not resized (the node unpacking it is still computing with it): the
+        step drops its own references, so the storage is freed with autograd's last one,
+        when that node's saved tensors are released. A stray later unpack still holds it.
+        """
+        b = group.bases[k]
+        if b is None or group.borrowed:
+            return
+        self.storage.pop(b.untyped_storage().data_ptr(), None)
+        group.held -= b.untyped_storage().nbytes()
+        group.bases[k] = group.fulls[k] = None
 
     def use(self, gis: list[int], *, new_op: bool) -> None:
         """Make the groups one op needs resident; free the previous op's other groups.
@@ -282,32 +347,41 @@ class _Run:
             self.active = list(dict.fromkeys(gis))
             if self.phase == "backward" or self.policy.reshard_after_forward:
                 for g in stale:
-                    self.free(self.groups[g])
+                    if self.phase == "backward" or g != self.plan.hold:
+                        self.free(self.groups[g])
         else:
             self.active.extend(g for g in gis if g not in self.active)
         for gi in dict.fromkeys(gis):
             group = self.groups[gi]
             if group.resident:
                 continue
-            (self.fwd_seen if self.phase == "forward" else self.bwd_seen).append(gi)
+            forward = self.phase == "forward"
+            seen = self.fwd_seen if forward else self.bwd_seen
+            order = self.plan.fwd_order if forward else self.plan.bwd_order
+            seen.append(gi)
+            if not order or len(seen) > len(order) or order[len(seen) - 1] != gi:
+                self.in_order[self.phase] = False  # diverged from the recorded order
             if group.fulls is None:  # first use in this micro-batch: enters autograd here
-                _Gather.apply(self, group, *[self.shards[i] for i in group.idx])
+                outs = _Gather.apply(self, group, *[self.shards[i] for i in group.idx])
+                if self.tapped:
+                    for k in self.plan.keep[gi]:
+                        group.fulls[k] = _Tap.apply(self, group, k, outs[k])
             else:
                 self.gather(group)
-            self._prefetch(gi)
+            if forward:  # the next group's gather overlaps this group's forward
+                self._prefetch()
 
-    def _prefetch(self, gi: int) -> None:
-        """Start gathering the group that came after this one when the order was recorded."""
-        if not self.policy.prefetch or self.plan.world == 1:
+    def _prefetch(self) -> None:
+        """Start gathering the group the recorded order has next, if this run follows it."""
+        if not self.policy.prefetch or self.plan.world == 1 or not self.in_order[self.phase]:
             return
         forward = self.phase == "forward"
         order = self.plan.fwd_order if forward else self.plan.bwd_order
         seen = self.fwd_seen if forward else self.bwd_seen
-        pos = len(seen) - 1
-        if not order or pos + 1 >= len(order) or order[pos] != gi:
-            return  # past the recorded order, or this step diverged from it: no guess
-        g = self.groups[order[pos + 1]]
-        if g.gi != gi and not g.resident and g.pending is None and (forward or g.fulls is not None):
+        if not order or len(seen) >= len(order):
+            return
+        g = self.groups[order[len(seen)]]
+        if not g.resident and g.pending is None and (forward or g.fulls is not None):
             g.pending = self._launch(g, async_op=True)
             self._note_peak()
 
@@ -315,47 +389,91 @@ class _Run:
 
     def pack(self, t: torch.Tensor):
         try:
-            group = self.storage.get(t.untyped_storage().data_ptr())
+            hit = self.storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
             return t
-        return (group.gi, t) if group is not None else t
+        if hit is None:
+            return t
+        group, k = hit
+        group.saved[k] += 1
+        return (group.gi, k, t)
 
     def unpack(self, packed):
-        if isinstance(packed, tuple):
-            gi, t = packed
+        if self.deferred is not None and self.phase == "backward":
             node = torch._C._current_autograd_node()
+            if node is not self.deferred[0]:  # the node that consumed the group finished
+                g, self.deferred = self.deferred[1], None
+                self._hand_on(g)
+        if not isinstance(packed, tuple):
+            return packed
+        gi, k, t = packed
+        group = self.groups[gi]
+        node = torch._C._current_autograd_node()
+        if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             self.use([gi], new_op=node is None or node is not self.node)
-            self.node = node
-            return t
-        return packed
+        self.node = node
+        if self.phase == "backward":
+            group.saved[k] -= 1
+            if group.saved[k] == 0:
+                self._drop(group, k)
+            # Hand on once half the group is consumed, when the node consuming it is done:
+            # the next group's gather overlaps the rest of this one's backward, but is not
+            # allocated while the whole group (or the node's own outputs) are alive.
+            if (not group.handed_on and self.deferred is None and group.resident
+                    and 2 * group.held <= self.plan.group_bytes[gi]):
+                self.deferred = (node, group)
+        return t
+
+    def _hand_on(self, group: _Group) -> None:
+        """Backward is mostly done with ``group``: prefetch the group the recorded order has
+        next, if ``group`` is the one before it there."""
+        if group.handed_on:
+            return
+        group.handed_on = True
+        order, j = self.plan.bwd_order, len(self.bwd_seen)
+        if order and j < len(order):
+            before = order[j - 1] if j else self.plan.hold
+            if before is None or before == group.gi:
+                self._prefetch()
 
     # backward -------------------------------------------------------------------------
 
+    def bucket(self, group: _Group) -> collectives.GradBucket:
+        """The group's gradient bucket for this step (made on its first gradient)."""
+        b = self.buckets.get(group.gi)
+        if b is None:
+            plan, keep = self.plan, self.plan.keep[group.gi]
+            # Reduce in reduce_dtype; else in the compute dtype, or when micro-batches are
+            # summed first, in the parameters' own dtype.
+            dts = [self.policy.reduce_dtype or (plan.layouts[group.idx[k]].dtype
+                                                if self.accumulating
+                                                else plan.dtypes[group.idx[k]])
+                   for k in keep]
+            b = self.buckets[group.gi] = collectives.GradBucket(
+                [plan.layouts[group.idx[k]] for k in keep], plan.mesh, dts, alias=True)
+        return b
+
+    def put(self, group: _Group, k: int, grad: torch.Tensor) -> None:
+        """Leaf ``k``'s gradient for this micro-batch is complete: add it to the bucket."""
+        self.bucket(group).put(self.plan.slot[group.gi][k], grad, add=True)
+
     def reduce(self, group: _Group, grads: tuple) -> None:
-        """Backward is done with ``group``: reduce its gradients (or accumulate them)."""
-        plan = self.plan
-        keep = [k for k, i in enumerate(group.idx) if plan.trainable[i]]
-        if self.acc is not None:
-            for k in keep:
-                i, g = group.idx[k], grads[k]
-                if g is None:
-                    continue
-                g = g.to(self.policy.reduce_dtype or plan.layouts[i].dtype)
-                self.acc[i] = g if self.acc[i] is None else self.acc[i].add_(g)
-        if self.sync and keep:
-            full = [self.acc[group.idx[k]] if self.acc is not None else grads[k] for k in keep]
-            # Launch this group's reduction and finish the previous one: one in flight, so it
-            # overlaps the next group's backward and at most two groups' buffers are alive.
-            pending = collectives.reduce_scatter(
-                [plan.layouts[group.idx[k]] for k in keep], full, plan.mesh,
-                reduce_dtype=self.policy.reduce_dtype, copy=False, async_op=True,
-            )
-            if self.acc is not None:
-                for k in keep:
-                    self.acc[group.idx[k]] = None
-            self.settle()
-            self.reducing = (group, keep, pending)
+        """Backward is done with ``group``: reduce its gradients (after the last micro-batch)."""
+        # Free the group's parameters and finish the previous group's reduction (it had this
+        # group's whole backward to complete) before this one is launched: one reduction in
+        # flight, overlapping the next group's backward.
         self.free(group)
+        self.settle()
+        self._hand_on(group)  # if unpacking did not already
+        keep = self.plan.keep[group.gi]
+        if not self.tapped:
+            for k in keep:
+                if grads[k] is not None:
+                    self.put(group, k, grads[k])
+        if self.sync and keep:
+            bucket = self.bucket(group)
+            del self.buckets[group.gi]
+            self.reducing = (group, keep, bucket.launch())
 
     def settle(self) -> None:
         """Finish the reduction in flight (if any) and keep its gradient shards."""
@@ -371,19 +489,22 @@ class _Run:
         self.phase = "backward"
         if self.policy.reshard_after_forward:  # keep only the group backward starts with
             for g in self.groups:
-                if g.gi not in self.active:
+                if g.gi not in self.active and g.gi != self.plan.hold:
                     self.free(g)
 
     def finish(self) -> None:
         self.settle()
+        self.deferred = None
         for g in self.groups:
             self.free(g)
             if g.pending is not None:  # a prefetch nobody used: finish it, drop the buffer
                 g.pending.wait()
                 g.pending = None
         if self.record:
-            self.plan.fwd_order = list(self.fwd_seen)
-            self.plan.bwd_order = list(self.bwd_seen)
+            fwd, bwd = list(self.fwd_seen), list(self.bwd_seen)
+            if self.policy.reshard_after_forward and bwd and bwd[0] in fwd[-2:]:
+                self.plan.hold = bwd.pop(0)
+            self.plan.fwd_order, self.plan.bwd_order = fwd, bwd
 
     def release(self) -> None:
         """Drop every tensor this run holds. Autograd's ``ctx.run`` makes a cycle through
@@ -527,12 +648,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                   for d, t in zip(leaves, plan.trainable)]
         micro = _split_batch(batch, policy.accumulate)
         k = len(micro)
-        acc = [None] * len(leaves) if k > 1 else None
+        buckets: dict = {}  # gradients summed over micro-batches, per group
         record = plan.fwd_order is None
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_all, runs = [], []
         for j, mb in enumerate(micro):
-            run = _Run(plan, shards, policy, acc, sync=(j == k - 1), record=record and j == 0)
+            run = _Run(plan, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
+                       record=record and j == 0)
             lazies = [
                 _Lazy(run, plan.group_of[i], plan.pos[i], lay.shape, plan.dtypes[i],
                       shards[i].device, plan.trainable[i])

@@ -103,6 +103,37 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
     return worst_vs_reduce, worst_vs_mean, placements_ok, counts
 
 
+def bucket_parity(spec, shapes, puts, seed):
+    """GradBucket filled one gradient at a time, in any order, some leaves more than once
+    (summed) and some never (zeros) == the mean over ranks of each rank's sums."""
+    from funshard.collectives import GradBucket, layout_of
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rdts = [torch.float32 if i % 2 == 0 else torch.float64 for i in range(len(shapes))]
+    x = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+    s = fs.shard(x, m)
+    layouts = [layout_of(k, v) for k, v in s.items()]
+    grad = lambda r, j, i: make(shapes[i], "float32", seed + 7919 * (r + 1) + 31 * j)  # noqa
+    bucket = GradBucket(layouts, m, rdts)
+    for j, i in enumerate(puts):
+        bucket.put(i, grad(rank, j, i), add=True)
+    with CountCollectives() as cc:
+        got = bucket.launch().wait()
+    worst = 0.0
+    for i, (k, d) in enumerate(s.items()):
+        per_rank = [sum((grad(r, j, i).double() for j, ii in enumerate(puts) if ii == i),
+                        torch.zeros(shapes[i], dtype=torch.float64)) for r in range(world)]
+        mean = (sum(per_rank) / world).float()
+        ref = distribute_tensor(mean, m, d.placements, src_data_rank=None).to_local()
+        if got[i].shape != ref.shape or got[i].dtype != torch.float32:
+            return f"{k}: got {tuple(got[i].shape)} {got[i].dtype}, want {tuple(ref.shape)}"
+        if ref.numel():
+            worst = max(worst, (got[i] - ref).abs().max().item())
+    bad = capture(lambda: GradBucket(layouts, m, rdts).put(0, torch.zeros(*shapes[0], 2)))
+    return worst, dict(cc.counts), bad
+
+
 # -- properties --------------------------------------------------------------------------
 
 
@@ -313,3 +344,20 @@ def test_make_mesh_single_process():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "(1,) ('shard',) 15.0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MESHES, ids=str)
+@given(shapes=st.lists(st.lists(SIZES, min_size=0, max_size=3).map(tuple), min_size=1,
+                       max_size=4), data=st.data(), seed=st.integers(0, 2**16))
+def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
+    puts = data.draw(st.lists(st.integers(0, len(shapes) - 1), max_size=8))
+    for rank, res in enumerate(pools.run(spec, bucket_parity, shapes, puts, seed)):
+        assert not isinstance(res, str), f"rank {rank}: {res}"
+        worst, counts, bad = res
+        assert worst < 1e-5, f"rank {rank}: differs from the mean of sums by {worst}"
+        # one collective of each kind per reduce dtype, whatever the order and repeats
+        if spec != 1:
+            assert counts.get("reduce_scatter", 0) <= 2 and counts.get("all_reduce", 0) <= 4
+        assert bad[0] == "ValueError" and "gradient of 'p0' has shape" in bad[1], bad
+        assert "DeviceMesh(" in bad[1], bad
