@@ -443,10 +443,20 @@ class _Part:
 
 
 class Reducing:
-    """An in-flight bucketed gradient reduction; :meth:`wait` returns the local shards."""
+    """An in-flight bucketed gradient reduction; :meth:`wait` returns the local shards.
+
+    On a 2-D mesh it has two stages: the reduce-scatter on ``"shard"``, then the all-reduce on
+    ``"replicate"`` of its result. :meth:`advance` finishes the first and launches the second
+    without waiting for it, so a caller can overlap both with compute.
+    """
 
     def __init__(self, parts, done, layouts):
         self._parts, self._done, self._layouts = parts, done, layouts
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter; start the "replicate" all-reduce (if any), async."""
+        for _, part in self._parts:
+            part.advance()
 
     def wait(self) -> list[torch.Tensor | None]:
         if self._done is None:
@@ -491,21 +501,30 @@ class _ReduceOne:
                     self.results[k] = flat[offsets[k] : offsets[k] + n].view(lay.shape)
             self.pieces.append(flat)
 
-    def wait(self) -> list[torch.Tensor]:
+    def advance(self) -> None:
+        if self.works is None:  # advanced before
+            return
         for kind, work in self.works:
             with watch(kind, None, SHARD):
                 work.wait()
-        self.works = []
+        self.works = None
         pieces, rep_pg = self.pieces, self.rep_pg
+        self.both = None
         if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
-            if len(pieces) == 1:
-                with watch("all-reduce", None, REPLICATE):
-                    dist.all_reduce(pieces[0], group=rep_pg)
-            else:  # one all-reduce for both kinds: reduce a concatenation, copy back
-                both = torch.cat(pieces)
-                with watch("all-reduce", None, REPLICATE):
-                    dist.all_reduce(both, group=rep_pg)
-                torch._foreach_copy_(pieces, list(both.split([p.numel() for p in pieces])))
+            # one all-reduce for both kinds: a concatenation, copied back when done
+            self.both = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            with watch("all-reduce", None, REPLICATE):
+                self.rep_work = dist.all_reduce(self.both, group=rep_pg, async_op=True)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.advance()
+        pieces = self.pieces
+        if self.both is not None:
+            with watch("all-reduce", None, REPLICATE):
+                self.rep_work.wait()
+            if len(pieces) > 1:
+                torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
+            self.both = self.rep_work = None
         if self.divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
             torch._foreach_div_(pieces, self.divide)
         for k, lay in enumerate(self.layouts):

@@ -240,7 +240,8 @@ class _Run:
         self.tapped = plan.world > 1  # gradients reach the buckets through _Tap
         self.groups = [_Group(gi, idx, plan.layouts) for gi, idx in enumerate(plan.members)]
         self.active: list[int] = []  # groups the latest op (or autograd node) uses
-        self.reducing = None  # (group, leaf positions, collectives.Reducing) in flight
+        # reductions in flight, oldest first: (group, leaf positions, collectives.Reducing)
+        self.reducing: list[tuple[_Group, list[int], collectives.Reducing]] = []
         self.node = None  # the autograd node whose saved tensors are being unpacked
         self.deferred = None  # (node, group): hand on from group once node is done
         self.phase = "forward"
@@ -459,11 +460,12 @@ class _Run:
 
     def reduce(self, group: _Group, grads: tuple) -> None:
         """Backward is done with ``group``: reduce its gradients (after the last micro-batch)."""
-        # Free the group's parameters and finish the previous group's reduction (it had this
-        # group's whole backward to complete) before this one is launched: one reduction in
-        # flight, overlapping the next group's backward.
+        # Free the group's parameters and move the previous group's reduction on (it had this
+        # group's whole backward to complete): its reduce-scatter is finished (freeing its
+        # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
+        # after the next group's backward. So each stage overlaps a group's backward.
         self.free(group)
-        self.settle()
+        self.settle(keep=1)
         self._hand_on(group)  # if unpacking did not already
         keep = self.plan.keep[group.gi]
         if not self.tapped:
@@ -473,17 +475,18 @@ class _Run:
         if self.sync and keep:
             bucket = self.bucket(group)
             del self.buckets[group.gi]
-            self.reducing = (group, keep, bucket.launch())
+            self.reducing.append((group, keep, bucket.launch()))
 
-    def settle(self) -> None:
-        """Finish the reduction in flight (if any) and keep its gradient shards."""
-        if self.reducing is None:
-            return
-        group, keep, pending = self.reducing
-        self.reducing = None
-        group.grads = [None] * len(group.idx)
-        for k, g in zip(keep, pending.wait()):
-            group.grads[k] = g
+    def settle(self, keep: int = 0) -> None:
+        """Finish the reductions in flight but the newest ``keep``, whose first stage is
+        finished and second launched; keep the finished ones' gradient shards."""
+        while len(self.reducing) > keep:
+            group, pos, pending = self.reducing.pop(0)
+            group.grads = [None] * len(group.idx)
+            for k, g in zip(pos, pending.wait()):
+                group.grads[k] = g
+        for _, _, pending in self.reducing:
+            pending.advance()
 
     def end_forward(self) -> None:
         self.phase = "backward"
@@ -513,7 +516,7 @@ class _Run:
         for g in self.groups:
             g.fulls = g.bases = g.grads = g.pending = None
         self.storage.clear()
-        self.reducing = None
+        self.reducing = []
         self.shards = []
 
 
