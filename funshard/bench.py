@@ -15,8 +15,9 @@ ratios (the two modes ran seconds apart, under the same load), the fastest-round
 given beside it. Memory: one launch per mode; OS high-water mark (VmHWM after a reset;
 ``max_memory_allocated`` on CUDA) and the exact live-tensor peak over one step
 (:class:`LivePeak`: every storage alive at step start or created in the step, at its size
-after each op, so storages regrown with ``resize_`` count), and whether live tensors grow
-between steps (a leak). Collectives: counted per step by kind, against the lower bound from
+after each op, so storages regrown with ``resize_`` count), the in-step peak (that peak
+less what lives between steps: the step's own transient memory), and whether live tensors
+grow between steps (a leak). Collectives: counted per step by kind, against the lower bound from
 :func:`funshard.plan.plan`. World size 1: funshard against the plain single-process step.
 
     python -m funshard.bench                        # 2 gloo ranks on CPU, 8 blocks of 512
@@ -497,12 +498,14 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None) ->
             row["os_peak_mb"] = max(r["os_peak"] for r in ranks) / 2**20
             row["os_over_idle_mb"] = max(r["os_peak"] - r["idle"] for r in ranks) / 2**20
             row["live_peak_mb"] = max(r["live_peak"] for r in ranks) / 2**20
+            # the step's own transient memory: the peak over what lives between steps
+            row["step_peak_mb"] = max(r["step_peak"] for r in ranks) / 2**20
             row["live_at_step_start_mb"] = max(r["persistent"] for r in ranks) / 2**20
             row["live_growth_mb_per_step"] = max(r["growth_per_step"] for r in ranks) / 2**20
         modes[m] = row
     for m, row in modes.items():
         twin = modes.get(TWIN.get(m, ""), {})
-        for key in ("live_peak_mb", "os_over_idle_mb"):
+        for key in ("live_peak_mb", "step_peak_mb", "os_over_idle_mb"):
             if key in row and key in twin:
                 row[f"x_twin_{key[:-3]}"] = row[key] / twin[key]
     out = {"config": dataclasses.asdict(cfg), "machine": _machine(cfg), "modes": modes}
@@ -587,14 +590,14 @@ def table(out: dict) -> str:
             f"{cfg['warmup']} warm-up steps; per round the slowest rank; ratios: median of the "
             f"per-round ratios (in brackets: fastest round / fastest round)\n\n")
     lines = ["| mode | step ms median (best) | x FSDP2 twin | x floor | peak RSS MB (over idle) | "
-             "live-tensor peak MB | mem x twin (live / RSS) | collectives / step | "
+             "live-tensor peak MB | mem x twin (live / in-step / RSS) | collectives / step | "
              "bytes / bound |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for m, r in out["modes"].items():
         rss = (f"{r['os_peak_mb']:.0f} ({r['os_over_idle_mb']:.0f})" if "os_peak_mb" in r
                else "-")
-        mem = (f"{_f(r.get('x_twin_live_peak'))} / {_f(r.get('x_twin_os_over_idle'))}"
-               if "x_twin_live_peak" in r else "-")
+        mem = (f"{_f(r.get('x_twin_live_peak'))} / {_f(r.get('x_twin_step_peak'))} / "
+               f"{_f(r.get('x_twin_os_over_idle'))}" if "x_twin_live_peak" in r else "-")
         lines.append(
             f"| {m} | {r['step_ms']:.0f} ({r['best_ms']:.0f}) | {_ratios(r, 'twin')} | "
             f"{_ratios(r, 'floor')} | "

@@ -113,7 +113,7 @@ def test_bench_phases_and_report(pools):
     res = bench.summarize(cfg, timing, memory, overhead=None)
     ours, theirs = res["modes"]["funshard_full"], res["modes"]["fsdp2_full"]
     for key in ("step_ms", "x_twin", "x_floor", "os_peak_mb", "os_over_idle_mb", "live_peak_mb",
-                "x_twin_live_peak", "x_twin_os_over_idle", "bytes_vs_bound"):
+                "x_twin_live_peak", "x_twin_step_peak", "x_twin_os_over_idle", "bytes_vs_bound"):
         assert ours[key] > 0, (key, ours)
     assert len(ours["rounds_ms"]) == 2
     bound, plan_ag = ours["bound"], ours["plan"]["comms"]["all_gather"]

@@ -390,7 +390,7 @@ def test_sigkill_mid_save_never_breaks_the_previous_checkpoint(pools, tmp_path):
         zyg.stdin.write(json.dumps({"path": path, "step": step, "world": 2,
                                     "store": str(tmp_path / f"store{step}")}) + "\n")
         zyg.stdin.flush()
-        pid, took, killed = None, None, False
+        pid, took = None, None
         while True:
             msg = json.loads(zyg.stdout.readline())
             pid = msg.get("pid", pid)
