@@ -589,8 +589,8 @@ def table(out: dict) -> str:
             f"{cfg['device']}; {cfg['rounds']} interleaved rounds after "
             f"{cfg['warmup']} warm-up steps; per round the slowest rank; ratios: median of the "
             f"per-round ratios (in brackets: fastest round / fastest round)\n\n")
-    lines = ["| mode | step ms median (best) | x FSDP2 twin | x floor | peak RSS MB (over idle) | "
-             "live-tensor peak MB | mem x twin (live / in-step / RSS) | collectives / step | "
+    lines = ["| mode | step ms median (best) | x FSDP2 twin | x floor | peak RSS MiB (over idle) | "
+             "live-tensor peak MiB | mem x twin (live / in-step / RSS) | collectives / step | "
              "bytes / bound |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for m, r in out["modes"].items():
