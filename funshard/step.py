@@ -518,6 +518,8 @@ class _Run:
         self.storage.clear()
         self.reducing = []
         self.shards = []
+        self.node = self.deferred = None  # autograd nodes: they reach every ctx in the graph
+        self.buckets = {}
 
 
 # -- the lazy parameter stand-in ---------------------------------------------------------

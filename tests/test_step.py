@@ -461,3 +461,23 @@ def test_full_shard_step_peak_below_fsdp2(pools):
     must stay at least half a block under FSDP2's."""
     peaks, block = pools.run(2, step_peaks)[0]
     assert peaks["funshard"] <= peaks["fsdp2"] - block / 2, (peaks, block)
+
+
+def runs_alive(spec):
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=16, heads=2, layers=2, seq=8)
+    step = fs.train_step(gpt_loss(model), fs.optim.adamw(lr=1e-3))
+    state = step.init(fs.shard(fs.params(model), m))
+    batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    gc.collect()
+    return sum(isinstance(o, fs.step._Run) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_no_step_state_outlives_the_step(pools, spec):
+    """A run kept alive through an autograd node it still held leaked ~0.5 MB/step of
+    resident memory in the demo; after the step nothing of it may remain."""
+    assert pools.run(spec, runs_alive) == [0] * fs.testing.world_of(spec)
