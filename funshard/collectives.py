@@ -335,7 +335,6 @@ class GradBucket:
         self.world = mesh.size()
         self.divide = self.world if op == "mean" else 1
         self.alias = alias
-        self.put_ = [False] * len(self.layouts)
         if self.world == 1:  # nothing to reduce: keep each gradient as it comes
             self.direct: list[torch.Tensor | None] = [None] * len(self.layouts)
             return
@@ -351,14 +350,13 @@ class GradBucket:
         if tuple(grad.shape) != tuple(lay.shape):
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
-        first = not (add and self.put_[k])
-        self.put_[k] = True
         if self.world == 1:
             g = grad.to(self.dtypes[k], copy=not self.alias)
-            self.direct[k] = g if first else self.direct[k].add_(g)
+            d = self.direct[k]
+            self.direct[k] = d.add_(g) if add and d is not None else g
             return
         part, j = self.where[k]
-        part.put(j, grad, first)
+        part.put(j, grad, first=not (add and part.filled[j]))
 
     def launch(self) -> Reducing:
         """Start the reduction of everything put (zeros for the rest)."""
@@ -413,13 +411,12 @@ class _Part:
 
     def put(self, j: int, grad: torch.Tensor, first: bool) -> None:
         lay, dst = self.layouts[j], self._region(j)
+        self.filled[j] = True
         if not lay.sharded:
             src = grad.reshape(-1)
             dst.copy_(src) if first else dst.add_(src)
-            self.filled[j] = True
             return
         rows, c = lay.rows, lay.chunk
-        self.filled[j] = True
         if not dst.numel():
             return
         src = grad.reshape(rows, lay.row_numel)

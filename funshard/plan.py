@@ -29,7 +29,7 @@ from torch import nn
 
 from . import collectives, pytree
 from .collectives import Layout
-from .step import Policy, default_group
+from .step import Policy, default_group, kept_into_backward
 
 _METRICS_BYTES = 16  # the step's one all-reduce: (loss, squared grad norm) in float64
 
@@ -188,7 +188,7 @@ def plan(
                              f"the groups are {groups}.")
     fwd = [index[g] for g in forward] if forward is not None else list(range(len(groups)))
     bwd = [index[g] for g in backward] if backward is not None else _dedupe(fwd[::-1])[1:]
-    if policy.reshard_after_forward and bwd and bwd[0] in _dedupe(fwd)[-2:]:
+    if kept_into_backward(_dedupe(fwd), bwd, policy) is not None:
         bwd = bwd[1:]  # the step keeps it gathered from its forward use into backward
     world = shard * replicate
 

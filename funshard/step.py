@@ -103,6 +103,18 @@ class TrainState(NamedTuple):
     step: int
 
 
+def kept_into_backward(forward: list[int], backward: list[int], policy: Policy) -> int | None:
+    """The group a FULL_SHARD step keeps gathered from forward into backward, if any.
+
+    ``forward`` and ``backward`` are groups in the order they are gathered. Backward's first
+    group stays when forward used it in its last two gathers: freeing it would only gather
+    it again at once (torchtitan sets FSDP2's last block so). ``fs.plan`` uses the same rule.
+    """
+    if policy.reshard_after_forward and backward and backward[0] in forward[-2:]:
+        return backward[0]
+    return None
+
+
 def default_group(fqn: str) -> str:
     """``'layers.3.attn.wq'`` -> ``'layers.3'``; ``'0.w'`` -> ``'0'``; no number -> ``''``."""
     parts = fqn.split(".")
@@ -400,16 +412,17 @@ class _Run:
         return (group.gi, k, t)
 
     def unpack(self, packed):
-        if self.deferred is not None and self.phase == "backward":
-            node = torch._C._current_autograd_node()
-            if node is not self.deferred[0]:  # the node that consumed the group finished
-                g, self.deferred = self.deferred[1], None
-                self._hand_on(g)
+        waiting = self.deferred is not None and self.phase == "backward"
+        if not waiting and not isinstance(packed, tuple):
+            return packed  # the common case: an activation, nothing to do
+        node = torch._C._current_autograd_node()
+        if waiting and node is not self.deferred[0]:  # the node that consumed it finished
+            g, self.deferred = self.deferred[1], None
+            self._hand_on(g)
         if not isinstance(packed, tuple):
             return packed
         gi, k, t = packed
         group = self.groups[gi]
-        node = torch._C._current_autograd_node()
         if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             self.use([gi], new_op=node is None or node is not self.node)
         self.node = node
@@ -505,8 +518,9 @@ class _Run:
                 g.pending = None
         if self.record:
             fwd, bwd = list(self.fwd_seen), list(self.bwd_seen)
-            if self.policy.reshard_after_forward and bwd and bwd[0] in fwd[-2:]:
-                self.plan.hold = bwd.pop(0)
+            self.plan.hold = kept_into_backward(fwd, bwd, self.policy)
+            if self.plan.hold is not None:
+                bwd.pop(0)
             self.plan.fwd_order, self.plan.bwd_order = fwd, bwd
 
     def release(self) -> None:
