@@ -61,7 +61,7 @@ from .models import GPT, gpt_loss
 from .optim import adamw
 from .shard import make_mesh, shard
 from .step import Policy, train_step
-from .testing import _KINDS, LiveMemory, _nbytes
+from .testing import LiveMemory, classify
 
 MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "fsdp2_full", "fsdp2_grad_op", "fsdp2_hsdp", "ddp", "floor",
@@ -226,10 +226,9 @@ class Traffic(TorchDispatchMode):
         self.kinds: dict[str, dict[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and args and func._opname != "barrier":
-            kind = _KINDS.get(func._opname, func._opname)
-            counted = _nbytes(args[0])
-            logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
+        op = classify(func, args)
+        if op is not None:
+            kind, logical, counted = op
             if kind == "all_reduce" and logical <= _METRICS_MAX:
                 kind = "metrics"
             k = self.kinds.setdefault(kind, {"count": 0, "bytes": 0, "counted": 0})

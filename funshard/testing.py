@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .collectives import direct_kind
+
 MeshSpec = "int | str"
 
 
@@ -278,6 +280,30 @@ def _nbytes(x) -> int:
     return 0
 
 
+def classify(func, args) -> tuple[str, int, int] | None:
+    """One c10d op as a collective: (kind, logical bytes, counted bytes), or None for what
+    is not counted (barriers, and the messages of a direct exchange but the one that stands
+    for it: see :func:`funshard.collectives.direct_kind`).
+
+    Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
+    all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
+    its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
+    """
+    if func.namespace != "c10d" or not args or func._opname == "barrier":
+        return None
+    direct = direct_kind(func._opname, args)
+    if direct is not None:
+        kind, lead, world = direct
+        if not lead:
+            return None
+        seg = _nbytes(args[0])
+        return kind, seg * world, seg * world if kind == "all_gather" else seg
+    kind = _KINDS.get(func._opname, func._opname)
+    counted = _nbytes(args[0])
+    logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
+    return kind, logical, counted
+
+
 class CountCollectives(TorchDispatchMode):
     """Counts c10d collectives (and their output bytes) issued on this thread while active.
 
@@ -292,12 +318,12 @@ class CountCollectives(TorchDispatchMode):
         self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            kind = _KINDS.get(func._opname, func._opname)
+        op = classify(func, args)
+        if op is not None:
+            kind, _, counted = op
             self.counts[kind] += 1
-            self.bytes[kind] += _nbytes(args[0]) if args else 0
-        return func(*args, **kwargs)
+            self.bytes[kind] += counted
+        return func(*args, **(kwargs or {}))
 
 
 # -- live tensor memory ------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """shard / unshard / reshard / reduce_grads on real gloo process groups (world 1-4, 2x2)."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -361,3 +363,72 @@ def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
             assert counts.get("reduce_scatter", 0) <= 2 and counts.get("all_reduce", 0) <= 4
         assert bad[0] == "ValueError" and "gradient of 'p0' has shape" in bad[1], bad
         assert "DeviceMesh(" in bad[1], bad
+
+
+def exchange_parity(spec, shapes, seed):
+    """The direct exchange (gloo's default here) == gloo's own collectives, with two
+    all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
+    import os
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from funshard.collectives import all_gather, layout_of, reduce_scatter
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.names.add(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    m = mesh(spec)
+    rank = dist.get_rank()
+    x = {f"p{i}": make(s, "float32", seed + i) for i, s in enumerate(shapes)}
+    s = fs.shard(x, m)
+    layouts = [layout_of(k, v) for k, v in s.items()]
+    locals_ = [v.to_local() for v in s.values()]
+    grads = [make(sh, "float32", seed + 1009 * (rank + 1) + i) for i, sh in enumerate(shapes)]
+    got = {}
+    try:
+        for how in ("native", "direct"):
+            os.environ["FUNSHARD_COLLECTIVES"] = how
+            with Ops() as ops, CountCollectives() as cc:
+                first = all_gather(layouts, locals_, m, async_op=True)
+                second = all_gather(layouts, locals_, m, async_op=True)
+                red = reduce_scatter(layouts, grads, m, async_op=True).wait()
+                b, a = second.wait(), first.wait()
+            got[how] = (a, b, red, ops.names, dict(cc.counts))
+    finally:
+        os.environ.pop("FUNSHARD_COLLECTIVES", None)
+    (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["native"], got["direct"]
+    problems = []
+    for k, full in zip(x, x.values()):
+        i = list(x).index(k)
+        if not (torch.equal(da[i], full) and torch.equal(db[i], full) and torch.equal(na[i], full)):
+            problems.append(f"{k}: a gathered tensor differs from the full one")
+        if dred[i].shape != nred[i].shape:
+            problems.append(f"{k}: reduced shapes {dred[i].shape} vs {nred[i].shape}")
+    worst = max([(d - n).abs().max().item() for d, n in zip(dred, nred) if d.numel()],
+                default=0.0)
+    return problems, worst, nops, dops, ncounts, dcounts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [2, 3, 4, "2x2"], ids=str)
+@given(shapes=st.lists(st.lists(SIZES, min_size=1, max_size=3).map(tuple), min_size=1,
+                       max_size=4), seed=st.integers(0, 2**16))
+def test_direct_exchange_is_the_collective(pools, spec, shapes, seed):
+    for rank, (problems, worst, nops, dops, ncounts, dcounts) in enumerate(
+            pools.run(spec, exchange_parity, shapes, seed)):
+        assert problems == [], f"rank {rank}: {problems}"
+        # 2 ranks sum a + b either way; more may add in another order
+        assert worst <= (0.0 if spec in (2, "2x2") else 1e-5), f"rank {rank}: {worst}"
+        assert not {"_allgather_base_", "_reduce_scatter_base_"} & dops, dops
+        assert not {"send", "recv_"} & nops, nops
+        if any(math.prod(s) for s in shapes):  # else nothing moves at all
+            assert {"send", "recv_"} <= dops, dops
+        # counters see one collective per exchange, as they see gloo's own
+        assert dcounts == ncounts, (dcounts, ncounts)
