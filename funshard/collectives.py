@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -181,15 +181,23 @@ def _byte_plan(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]):
 # gloo's own all-gather and reduce-scatter cost 2-3x a plain exchange of the same bytes on
 # one machine: for a 12.6 MB bucket on 2 ranks, all_gather_single took 9-11 ms,
 # reduce_scatter_single 15-17 ms, and isend/irecv of the 6.3 MB halves 4.7-5.1 ms. So on
-# gloo a bucket moves by a direct exchange: every rank sends its segment to every other
-# rank at once (all-gather), or each peer's segment of the reduce input to that peer and
-# sums what arrives (reduce-scatter). Each rank sends (world - 1) segments, as a ring does.
-# Every exchange is one logical collective: counters recognise it by its tag
-# (:func:`direct_kind`). Other backends (NCCL) use their own collectives.
-# ``FUNSHARD_COLLECTIVES=native`` turns the exchange off (for A/B runs).
+# gloo a bucket moves by a direct exchange of point-to-point messages, all posted at once:
+# - all-gather: each leaf's rows go from their rank straight into every other rank's full
+#   (padded) tensor, so there is no flat buffer to copy out of, and no second copy of the
+#   group alive while it is copied;
+# - reduce-scatter: each rank sends every peer that peer's segment of the flat reduce
+#   input and sums what arrives into its own.
+# Each rank sends (world - 1) / world of the bytes, as a ring does. Every exchange is one
+# logical collective: it is announced by one ``funshard::collective`` marker op, which the
+# counters (:class:`funshard.testing.CountCollectives`, the bench) count instead of its
+# messages. Other backends (NCCL) use their own collectives. ``FUNSHARD_COLLECTIVES=native``
+# turns the exchange off (for A/B runs).
 
 DIRECT_TAGS = {"all_gather": 0x6653_0001, "reduce_scatter": 0x6653_0002}
-_DIRECT_KINDS = {tag: kind for kind, tag in DIRECT_TAGS.items()}
+
+_LIB = torch.library.Library("funshard", "DEF")
+_LIB.define("collective(Tensor anchor, str kind, int logical, int counted) -> ()")
+_LIB.impl("collective", lambda anchor, kind, logical, counted: None, "CompositeExplicitAutograd")
 
 
 def _direct(pg, t: torch.Tensor) -> bool:
@@ -197,21 +205,24 @@ def _direct(pg, t: torch.Tensor) -> bool:
             and os.environ.get("FUNSHARD_COLLECTIVES", "direct") != "native")
 
 
-def direct_kind(opname: str, args) -> tuple[str, bool, int] | None:
-    """For a c10d ``send`` / ``recv_`` of a direct exchange: (its collective's kind, whether
-    this message is the one a counter counts, the group's size); else None. The counted
-    message is the send to this rank's first peer: one per exchange and rank.
-    """
-    if opname not in ("send", "recv_") or len(args) < 4 or args[3] not in _DIRECT_KINDS:
-        return None
-    pg = dist.ProcessGroup.unbox(args[1])
-    lead = opname == "send" and args[2] == (1 if pg.rank() == 0 else 0)
-    return _DIRECT_KINDS[args[3]], lead, pg.size()
+def is_direct_message(opname: str, args) -> bool:
+    """A c10d ``send`` / ``recv_`` that belongs to a direct exchange (counted by its marker)."""
+    return opname in ("send", "recv_") and len(args) > 3 and args[3] in _TAGS
+
+
+_TAGS = frozenset(DIRECT_TAGS.values())
+
+
+def _announce(kind: str, anchor: torch.Tensor, logical: int, counted: int) -> None:
+    """One logical collective, for counters: ``logical`` bytes (all-gather output,
+    reduce-scatter input) and ``counted`` (the c10d op's first argument: for a
+    reduce-scatter, its output)."""
+    torch.ops.funshard.collective(anchor, kind, logical, counted)
 
 
 class _Exchange:
-    """The point-to-point works of one direct exchange; ``wait`` finishes them, then runs
-    ``then`` (the reduce-scatter's sum). Holds the buffers until then."""
+    """The messages of one direct exchange: ``wait`` finishes them, then runs ``then`` (the
+    reduce-scatter's sum). Holds its buffers until then."""
 
     def __init__(self, works, then=None, keep=()):
         self.works, self.then, self.keep = works, then, keep
@@ -224,24 +235,9 @@ class _Exchange:
         self.works, self.then, self.keep = [], None, ()
 
 
-def _start_gather(out: torch.Tensor, pg, async_op: bool):
-    """All-gather on ``pg`` in place: ``out`` is (world * seg) and this rank's segment is
-    filled; returns a work (async) or None."""
-    if not _direct(pg, out):
-        inp = out.view(pg.size(), -1)[pg.rank()]
-        return dist.all_gather_single(out, inp, group=pg, async_op=async_op)
-    world, rank = pg.size(), pg.rank()
-    rows, works = out.view(world, -1), []
-    tag = DIRECT_TAGS["all_gather"]
-    for peer in range(world):
-        if peer != rank:
-            works.append(dist.isend(rows[rank], group=pg, group_dst=peer, tag=tag))
-            works.append(dist.irecv(rows[peer], group=pg, group_src=peer, tag=tag))
-    ex = _Exchange(works, keep=(out,))
-    if not async_op:
-        ex.wait()
-        return None
-    return ex
+def _rows_on(lay: Layout, rank: int) -> int:
+    """Rows of ``lay`` that rank ``rank`` holds."""
+    return max(0, min(lay.rows, (rank + 1) * lay.chunk) - rank * lay.chunk)
 
 
 def _start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg):
@@ -250,12 +246,14 @@ def _start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg):
     if not _direct(pg, inp):
         return dist.reduce_scatter_single(out, inp.view(-1), group=pg, async_op=True)
     world, rank = pg.size(), pg.rank()
+    nbytes = inp.numel() * inp.element_size()
+    _announce("reduce_scatter", out, nbytes, nbytes // world)
     # 2 ranks receive straight into ``out``; more need one landing row per peer
     land = out.unsqueeze(0) if world == 2 else inp.new_empty(world - 1, inp.shape[1])
     tag, works = DIRECT_TAGS["reduce_scatter"], []
     for i, peer in enumerate(p for p in range(world) if p != rank):
-        works.append(dist.isend(inp[peer], group=pg, group_dst=peer, tag=tag))
-        works.append(dist.irecv(land[i], group=pg, group_src=peer, tag=tag))
+        works.append(pg.send([inp[peer]], peer, tag))
+        works.append(pg.recv([land[i]], peer, tag))
 
     def then():
         if world > 2:
@@ -266,46 +264,38 @@ def _start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg):
 
 
 class Gathered:
-    """An in-flight bucketed all-gather; :meth:`wait` returns the full tensors."""
+    """An in-flight bucketed all-gather; :meth:`wait` returns the full tensors.
 
-    def __init__(self, work, buf, layouts, dtypes, plan, device):
+    Either a collective into one flat byte buffer, copied out into the full tensors when
+    done, or (gloo) a direct exchange that already writes into them.
+    """
+
+    def __init__(self, work, buf, layouts, dtypes, plan, device, into=None, fulls=None):
         self._work, self._buf, self._layouts = work, buf, layouts
         self._dtypes, self._plan, self._device = dtypes, plan, device
+        self._into, self._fulls = into, fulls
 
-    def wait(self, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Finish the gather; return full tensors in ``layouts`` order.
-
-        ``into``: padded full tensors (``(world * chunk, *shape[1:])``) to fill instead of
-        allocating; what is returned are then views of them (``[:rows]``).
-        """
+    def wait(self) -> list[torch.Tensor]:
+        """Finish the gather; return full tensors in ``layouts`` order (views ``[:rows]`` of
+        the padded tensors ``into`` gave, if it was given)."""
         if self._work is not None:
             with watch("all-gather", None):
                 self._work.wait()
             self._work = None
         layouts, dtypes = self._layouts, self._dtypes
-        order, sizes, total, pad = self._plan
-        outs: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
-        views = []
-        for i in order:
-            lay = layouts[i]
-            if into is not None:
-                padded = into[i]
-            else:
-                padded = torch.empty(
-                    (lay.world * lay.chunk, *lay.shape[1:]), dtype=dtypes[i], device=self._device
-                )
-            views.append(padded.view(lay.world, -1).view(torch.uint8))
-            outs[i] = padded if padded.shape[0] == lay.rows else padded[: lay.rows]
-        if order:
-            world = layouts[order[0]].world
-            src = self._buf.view(world, total + pad)[:, :total]
-            torch.split_with_sizes_copy(src, sizes, dim=1, out=views)
-        for i, lay in enumerate(layouts):
-            if outs[i] is None:  # no elements
-                outs[i] = (into[i] if into is not None else
-                           torch.empty(lay.shape, dtype=dtypes[i], device=self._device))
-        self._buf = None
-        return outs
+        padded = self._fulls
+        if padded is None:  # a flat buffer: copy out
+            padded = self._into() if self._into is not None else [
+                torch.empty((lay.world * lay.chunk, *lay.shape[1:]), dtype=dt,
+                            device=self._device) for lay, dt in zip(layouts, dtypes)]
+            order, sizes, total, pad = self._plan
+            if order:
+                views = [padded[i].view(layouts[i].world, -1).view(torch.uint8) for i in order]
+                src = self._buf.view(layouts[order[0]].world, total + pad)[:, :total]
+                torch.split_with_sizes_copy(src, sizes, dim=1, out=views)
+        self._buf = self._fulls = self._into = None
+        return [p if p.shape[0] == lay.rows else p[: lay.rows]
+                for p, lay in zip(padded, layouts)]
 
 
 def all_gather(
@@ -315,6 +305,7 @@ def all_gather(
     *,
     dtypes: Sequence[torch.dtype] | None = None,
     async_op: bool = False,
+    into: Callable[[], Sequence[torch.Tensor]] | None = None,
 ) -> Gathered:
     """One all-gather on ``"shard"`` for all ``shards`` (sharded leaves only).
 
@@ -324,6 +315,9 @@ def all_gather(
         mesh: their mesh.
         dtypes: gather dtype per leaf (mixed precision casts before the gather).
         async_op: return before the collective completes; ``wait()`` finishes it.
+        into: returns the padded full tensors (``(world * chunk, *shape[1:])``) to fill
+            instead of new ones; called when they are first written: at once for a direct
+            exchange, at ``wait()`` for a collective.
     Returns:
         a :class:`Gathered`; ``.wait()`` -> full tensors in ``layouts`` order.
     """
@@ -332,8 +326,17 @@ def all_gather(
     plan = _byte_plan(layouts, dtypes)
     order, sizes, total, pad = plan
     if not order:
-        return Gathered(None, None, layouts, dtypes, plan, device)
+        return Gathered(None, None, layouts, dtypes, plan, device, into)
     world, rank = layouts[order[0]].world, layouts[order[0]].rank
+    shard_pg = _groups(mesh)[0] if world > 1 else None
+    if world > 1 and _direct(shard_pg, shards[order[0]]):
+        with watch("all-gather", mesh, SHARD):
+            work, fulls = _exchange_gather(layouts, shards, dtypes, plan, shard_pg, into, device)
+        if not async_op:
+            with watch("all-gather", mesh, SHARD):
+                work.wait()
+        return Gathered(work if async_op else None, None, layouts, dtypes, plan, device,
+                        fulls=fulls)
     # In place: this rank's input is its own segment of the output, so no separate input
     # buffer lives while the gather is in flight.
     out = torch.empty(world * (total + pad), dtype=torch.uint8, device=device)
@@ -350,11 +353,39 @@ def all_gather(
     if dst:
         torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
     if world == 1:  # nothing to gather
-        return Gathered(None, out, layouts, dtypes, plan, device)
-    shard_pg, _ = _groups(mesh)
+        return Gathered(None, out, layouts, dtypes, plan, device, into)
     with watch("all-gather", mesh, SHARD):
-        work = _start_gather(out, shard_pg, async_op)
-    return Gathered(work if async_op else None, out, layouts, dtypes, plan, device)
+        work = dist.all_gather_single(out, inp, group=shard_pg, async_op=async_op)
+    return Gathered(work if async_op else None, out, layouts, dtypes, plan, device, into)
+
+
+def _exchange_gather(layouts, shards, dtypes, plan, pg, into, device):
+    """Post a direct all-gather: this rank's rows into its own full tensors, then every
+    leaf's rows to and from every peer. -> (the exchange, the padded full tensors)."""
+    world, rank = pg.size(), pg.rank()
+    order, _, total, pad = plan
+    padded = list(into()) if into is not None else [
+        torch.empty((lay.world * lay.chunk, *lay.shape[1:]), dtype=dt, device=device)
+        for lay, dt in zip(layouts, dtypes)]
+    own = [p[lay.start : lay.start + lay.local_rows] for p, lay in zip(padded, layouts)]
+    have = [i for i in order if layouts[i].local_rows]
+    if have:  # casts to the gather dtype on the way in
+        torch._foreach_copy_([own[i] for i in have], [shards[i] for i in have])
+    nbytes = world * (total + pad)
+    _announce("all_gather", padded[order[0]], nbytes, nbytes)
+    tag, works = DIRECT_TAGS["all_gather"], []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        for i in order:
+            lay = layouts[i]
+            if lay.local_rows:
+                works.append(pg.send([own[i]], peer, tag))
+            n = _rows_on(lay, peer)
+            if n:
+                works.append(pg.recv([padded[i][peer * lay.chunk : peer * lay.chunk + n]],
+                                     peer, tag))
+    return _Exchange(works, keep=(padded,)), padded
 
 
 def reduce_scatter(

@@ -186,7 +186,7 @@ class _Group:
     """A communication group inside one micro-batch: its gathered tensors and their state."""
 
     __slots__ = ("gi", "idx", "sharded", "replicated", "bases", "fulls", "pending", "resident",
-                 "grads", "borrowed", "saved", "held", "handed_on")
+                 "grads", "borrowed", "saved", "held", "handed_on", "versions")
 
     def __init__(self, gi: int, idx: list[int], layouts: list[Layout]):
         self.gi, self.idx = gi, idx
@@ -201,6 +201,7 @@ class _Group:
         self.saved = [0] * len(idx)  # per leaf: autograd's saved copies not yet unpacked
         self.held = 0  # bytes of gathered storages this run still holds
         self.handed_on = False  # backward has prefetched the group after this one
+        self.versions = None  # autograd version counters to restore after a refill
 
 
 class _Tap(torch.autograd.Function):
@@ -271,7 +272,30 @@ class _Run:
         lays = [self.plan.layouts[group.idx[k]] for k in group.sharded]
         shards = [self.shards[group.idx[k]] for k in group.sharded]
         dts = [self.plan.dtypes[group.idx[k]] for k in group.sharded]
-        return collectives.all_gather(lays, shards, self.plan.mesh, dtypes=dts, async_op=async_op)
+        # gathered before in this micro-batch: fill the same storages (autograd saved them)
+        into = None if group.bases is None else (lambda: self._refill(group))
+        return collectives.all_gather(lays, shards, self.plan.mesh, dtypes=dts,
+                                      async_op=async_op, into=into)
+
+    def _refill(self, group: _Group) -> list[torch.Tensor]:
+        """The group's padded full tensors, grown back to full size (or new, for a leaf
+        backward dropped), for a gather to write into."""
+        plan, outs = self.plan, []
+        for k in group.sharded:
+            b = group.bases[k]
+            if b is None:  # dropped in backward (see _drop): a fresh storage
+                i = group.idx[k]
+                lay = plan.layouts[i]
+                b = group.bases[k] = torch.empty((lay.world * lay.chunk, *lay.shape[1:]),
+                                                 dtype=plan.dtypes[i],
+                                                 device=self.shards[i].device)
+                group.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
+            b.untyped_storage().resize_(b.numel() * b.element_size())
+            outs.append(b)
+        # Autograd saved these tensors; refilling them is not a mutation it must see: their
+        # version counters are put back once the gather is done (see gather).
+        group.versions = torch.autograd._unsafe_preserve_version_counter(tuple(outs))
+        return outs
 
     def gather(self, group: _Group) -> tuple[torch.Tensor, ...]:
         """Gather ``group`` (waiting for its prefetch if one is in flight) into its tensors."""
@@ -283,8 +307,8 @@ class _Run:
             return tuple(group.fulls)
         pending = group.pending or self._launch(group, async_op=False)
         group.pending = None
+        got = pending.wait()
         if group.bases is None:  # first gather in this micro-batch: fresh tensors
-            got = pending.wait()
             bases = [None] * len(group.idx)
             fulls = [None] * len(group.idx)
             for k, t in zip(group.sharded, got):
@@ -294,21 +318,9 @@ class _Run:
                 i = group.idx[k]
                 fulls[k] = bases[k] = self.shards[i].detach().to(plan.dtypes[i], copy=True)
             group.bases, group.fulls = bases, fulls
-        else:  # gathered before and freed: refill the same storages
-            for k in group.sharded:
-                b = group.bases[k]
-                if b is None:  # dropped in backward (see _drop): a fresh storage
-                    i = group.idx[k]
-                    lay = plan.layouts[i]
-                    b = group.bases[k] = torch.empty((lay.world * lay.chunk, *lay.shape[1:]),
-                                                     dtype=plan.dtypes[i],
-                                                     device=self.shards[i].device)
-                    group.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
-                b.untyped_storage().resize_(b.numel() * b.element_size())
-            outs = [group.bases[k] for k in group.sharded]
-            # Autograd saved these tensors; refilling them is not a mutation it must see.
-            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                pending.wait(into=outs)
+        elif group.versions is not None:
+            group.versions.__exit__(None, None, None)
+            group.versions = None
         group.held = 0
         for k in group.sharded:
             st = group.bases[k].untyped_storage()
@@ -456,6 +468,10 @@ class _Run:
         """The group's gradient bucket for this step (made on its first gradient)."""
         b = self.buckets.get(group.gi)
         if b is None:
+            # The previous group's reduce-scatter had this group's first node to complete:
+            # finish it now, so its input is freed before this bucket is allocated.
+            for _, _, pending in self.reducing:
+                pending.advance()
             plan, keep = self.plan, self.plan.keep[group.gi]
             # Reduce in reduce_dtype; else in the compute dtype, or when micro-batches are
             # summed first, in the parameters' own dtype.
@@ -512,10 +528,11 @@ class _Run:
         self.settle()
         self.deferred = None
         for g in self.groups:
-            self.free(g)
             if g.pending is not None:  # a prefetch nobody used: finish it, drop the buffer
                 g.pending.wait()
-                g.pending = None
+                g.pending, g.versions = None, None
+                g.resident = g.bases is not None  # it may have refilled them: free below
+            self.free(g)
         if self.record:
             fwd, bwd = list(self.fwd_seen), list(self.bwd_seen)
             self.plan.hold = kept_into_backward(fwd, bwd, self.policy)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .collectives import direct_kind
+from .collectives import is_direct_message
 
 MeshSpec = "int | str"
 
@@ -281,23 +281,20 @@ def _nbytes(x) -> int:
 
 
 def classify(func, args) -> tuple[str, int, int] | None:
-    """One c10d op as a collective: (kind, logical bytes, counted bytes), or None for what
-    is not counted (barriers, and the messages of a direct exchange but the one that stands
-    for it: see :func:`funshard.collectives.direct_kind`).
+    """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
+    one (barriers, other ops, and the messages of a funshard direct exchange, which its
+    ``funshard::collective`` marker stands for: see :mod:`funshard.collectives`).
 
     Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
     all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
     its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
     """
+    if func.namespace == "funshard" and func._opname == "collective":
+        return args[1], args[2], args[3]
     if func.namespace != "c10d" or not args or func._opname == "barrier":
         return None
-    direct = direct_kind(func._opname, args)
-    if direct is not None:
-        kind, lead, world = direct
-        if not lead:
-            return None
-        seg = _nbytes(args[0])
-        return kind, seg * world, seg * world if kind == "all_gather" else seg
+    if is_direct_message(func._opname, args):
+        return None
     kind = _KINDS.get(func._opname, func._opname)
     counted = _nbytes(args[0])
     logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
