@@ -263,6 +263,47 @@ def _start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg):
     return _Exchange(works, then, keep=(inp, land))
 
 
+def _start_reduce_scatter_leaves(out, grads, layouts, offsets, pg):
+    """:func:`_start_reduce_scatter` from each sharded leaf's gradient ((rows, row_numel),
+    or None for zeros) instead of a flat input: every peer gets its rows of each leaf;
+    ``out`` (seg, each leaf's padded chunk at its offset) gets the sum of this rank's."""
+    world, rank = pg.size(), pg.rank()
+    seg = out.numel()
+    nbytes = world * seg * out.element_size()
+    _announce("reduce_scatter", out, nbytes, nbytes // world)
+    land = out.unsqueeze(0) if world == 2 else out.new_empty(world - 1, seg)
+    leaves = [j for j, lay in enumerate(layouts) if lay.sharded and lay.padded_numel]
+    need = max((_rows_on(layouts[j], p) * layouts[j].row_numel for j in leaves
+                for p in range(world) if grads[j] is None), default=0)
+    zeros = out.new_zeros(need) if need else None  # what a leaf never put sends
+    tag, works = DIRECT_TAGS["reduce_scatter"], []
+    for i, peer in enumerate(p for p in range(world) if p != rank):
+        for j in leaves:
+            lay, g, off = layouts[j], grads[j], offsets[j]
+            n = _rows_on(lay, peer)
+            if n:
+                src = (g[peer * lay.chunk : peer * lay.chunk + n] if g is not None
+                       else zeros[: n * lay.row_numel])
+                works.append(pg.send([src], peer, tag))
+            n = _rows_on(lay, rank)
+            if n:
+                works.append(pg.recv([land[i, off : off + n * lay.row_numel]], peer, tag))
+
+    def then():
+        if world > 2:
+            torch.sum(land, 0, out=out)
+        for j in leaves:
+            lay, g, off = layouts[j], grads[j], offsets[j]
+            n = _rows_on(lay, rank)
+            mine = out[off : off + n * lay.row_numel].view(n, lay.row_numel)
+            if n and g is not None:
+                mine.add_(g[rank * lay.chunk : rank * lay.chunk + n])
+            if n < lay.chunk:  # padding rows
+                out[off + n * lay.row_numel : off + lay.padded_numel].zero_()
+
+    return _Exchange(works, then, keep=(grads, land, zeros))
+
+
 class Gathered:
     """An in-flight bucketed all-gather; :meth:`wait` returns the full tensors.
 
@@ -445,10 +486,14 @@ class GradBucket:
         op: ``"mean"`` or ``"sum"`` over all mesh ranks.
         alias: on a world of one (nothing to reduce) keep the first gradient put itself
             instead of a copy; results may then alias it.
+        borrow: where the bucket moves by a direct exchange (gloo), keep each sharded
+            leaf's gradient itself (no copy into a flat buffer) and send its rows from it;
+            the caller must not change a gradient after putting it.
     """
 
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
-                 dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False):
+                 dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
+                 borrow: bool = False):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
@@ -461,8 +506,10 @@ class GradBucket:
             return
         self.parts: dict[torch.dtype, _Part] = {}
         self.where: list[tuple[_Part, int]] = []
+        borrow = borrow and _direct(_groups(mesh)[0], torch.empty(0, device=self.device))
         for k, (lay, rdt) in enumerate(zip(self.layouts, self.dtypes)):
-            part = self.parts.get(rdt) or self.parts.setdefault(rdt, _Part(rdt, self.device))
+            part = (self.parts.get(rdt)
+                    or self.parts.setdefault(rdt, _Part(rdt, self.device, borrow)))
             self.where.append((part, part.add(lay)))
 
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
@@ -499,8 +546,10 @@ class _Part:
     sharded leaves (each rank's rows of every leaf, padded as ``torch.chunk`` pads) and a flat
     all-reduce buffer for the replicated ones."""
 
-    def __init__(self, rdt: torch.dtype, device: torch.device):
+    def __init__(self, rdt: torch.dtype, device: torch.device, borrow: bool = False):
         self.rdt, self.device = rdt, device
+        # borrowed: each sharded leaf's (rows, row_numel) gradient itself, sent from there
+        self.kept: list[torch.Tensor | None] | None = [] if borrow else None
         self.layouts: list[Layout] = []
         self.offsets: list[int] = []  # in the (world, seg) rows, or in the flat buffer
         self.seg = self.flat_numel = 0
@@ -510,6 +559,8 @@ class _Part:
     def add(self, lay: Layout) -> int:
         self.layouts.append(lay)
         self.filled.append(False)
+        if self.kept is not None:
+            self.kept.append(None)
         if lay.sharded:
             self.offsets.append(self.seg)
             self.seg += lay.padded_numel
@@ -531,7 +582,14 @@ class _Part:
         return self.flat[off : off + math.prod(lay.shape)]
 
     def put(self, j: int, grad: torch.Tensor, first: bool) -> None:
-        lay, dst = self.layouts[j], self._region(j)
+        lay = self.layouts[j]
+        if self.kept is not None and lay.sharded:
+            g = grad.to(self.rdt).reshape(lay.rows, lay.row_numel)
+            kept = self.kept[j]
+            self.kept[j] = g if first or kept is None else kept + g  # never in place: borrowed
+            self.filled[j] = True
+            return
+        dst = self._region(j)
         self.filled[j] = True
         if not lay.sharded:
             src = grad.reshape(-1)
@@ -554,10 +612,12 @@ class _Part:
 
     def launch(self, shard_pg, rep_pg, divide) -> _ReduceOne:
         for j, lay in enumerate(self.layouts):
+            if lay.sharded and self.kept is not None:
+                continue  # a leaf never put sends zeros
             if not self.filled[j] and (self.seg if lay.sharded else self.flat_numel):
                 self._region(j).zero_()  # never put: zeros (every rank takes part)
         return _ReduceOne(self.layouts, self.offsets, self.inp, self.flat, shard_pg, rep_pg,
-                          self.rdt, self.device, divide)
+                          self.rdt, self.device, divide, self.kept if self.seg else None)
 
 
 class Reducing:
@@ -589,14 +649,20 @@ class Reducing:
 class _ReduceOne:
     """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
 
-    def __init__(self, layouts, offsets, inp, flat, shard_pg, rep_pg, rdt, device, divide):
+    def __init__(self, layouts, offsets, inp, flat, shard_pg, rep_pg, rdt, device, divide,
+                 kept=None):
         self.layouts, self.rep_pg, self.rdt, self.device = layouts, rep_pg, rdt, device
         self.divide = divide
         self.works, self.pieces = [], []
         self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
-        if inp is not None and inp.numel():
-            world = inp.shape[0]
-            if world > 1:
+        seg = sum(lay.padded_numel for lay in layouts if lay.sharded)
+        if kept is not None or (inp is not None and inp.numel()):
+            if kept is not None:  # borrowed gradients: a direct exchange from them
+                rs = torch.empty(seg, dtype=rdt, device=device)
+                with watch("reduce-scatter", None, SHARD):
+                    self.works.append(("reduce-scatter", _start_reduce_scatter_leaves(
+                        rs, kept, layouts, offsets, shard_pg)))
+            elif inp.shape[0] > 1:
                 rs = torch.empty(inp.shape[1], dtype=rdt, device=device)
                 with watch("reduce-scatter", None, SHARD):
                     self.works.append(("reduce-scatter", _start_reduce_scatter(rs, inp, shard_pg)))

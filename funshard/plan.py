@@ -29,7 +29,7 @@ from torch import nn
 
 from . import collectives, pytree
 from .collectives import Layout
-from .step import Policy, default_group, kept_into_backward
+from .step import Policy, default_group, kept_into_backward, split_kept
 
 _METRICS_BYTES = 16  # the step's one all-reduce: (loss, squared grad norm) in float64
 
@@ -188,7 +188,8 @@ def plan(
                              f"the groups are {groups}.")
     fwd = [index[g] for g in forward] if forward is not None else list(range(len(groups)))
     bwd = [index[g] for g in backward] if backward is not None else _dedupe(fwd[::-1])[1:]
-    if kept_into_backward(_dedupe(fwd), bwd, policy) is not None:
+    kept = kept_into_backward(_dedupe(fwd), bwd, policy)
+    if kept is not None:
         bwd = bwd[1:]  # the step keeps it gathered from its forward use into backward
     world = shard * replicate
 
@@ -221,6 +222,16 @@ def plan(
                     if shard > 1 else 0 for idx in members]
     gathers = _dedupe(fwd) + bwd if policy.reshard_after_forward else sorted(set(fwd))
     ag = [ag_per_group[g] for g in gathers if ag_per_group[g]]
+    if kept is not None and shard > 1:
+        # the kept group's leaves past the first half backward needs are gathered again;
+        # backward is assumed to reach a group's leaves in reverse parameter order
+        idx = members[kept]
+        pos = [k for k, i in enumerate(idx) if lays[i].sharded]
+        late = split_kept(pos, pos[::-1], [lays[i].world * lays[i].padded_numel
+                                           * dtypes[i].itemsize for i in idx])
+        if late:
+            ag.append(_gather_bytes([lays[idx[k]] for k in late],
+                                    [dtypes[idx[k]] for k in late]))
     rs_in = rs_out = ar = ar_rep = 0
     n_rs = n_ar = n_ar_rep = 0
     for idx in members:

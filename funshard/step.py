@@ -115,6 +115,28 @@ def kept_into_backward(forward: list[int], backward: list[int], policy: Policy) 
     return None
 
 
+def split_kept(sharded: list[int], first_unpack: list[int], nbytes: list[int]) -> list[int]:
+    """Leaves of the kept group (see :func:`kept_into_backward`) to free at the end of
+    forward and gather again in backward: all but the ones backward unpacks first, up to
+    half the group's bytes. Backward starts where every activation is alive, so it holds
+    only what its first nodes need; the kept group then costs 2 all-gathers like any other
+    (the second of part of it), not 1. ``fs.plan`` uses the same rule.
+
+    ``sharded``: the group's gathered leaves; ``first_unpack``: leaves in the order
+    backward first used them; ``nbytes``: each leaf's full bytes. [] = no split.
+    """
+    total = sum(nbytes[k] for k in sharded)
+    early, used = set(), 0
+    for k in first_unpack:
+        if k in sharded and used + nbytes[k] <= total // 2:
+            early.add(k)
+            used += nbytes[k]
+        elif k in sharded:
+            break
+    late = [k for k in sharded if k not in early]
+    return late if early and late else []
+
+
 def default_group(fqn: str) -> str:
     """``'layers.3.attn.wq'`` -> ``'layers.3'``; ``'0.w'`` -> ``'0'``; no number -> ``''``."""
     parts = fqn.split(".")
@@ -172,6 +194,10 @@ class _Plan:
         # the group backward needs first, when forward used it last: it stays gathered
         # from forward into backward instead of being freed and gathered again at once
         self.hold: int | None = None
+        # leaves of ``hold`` freed at the end of forward and gathered again in backward once
+        # the rest are used: backward starts where every activation is alive, so it holds
+        # only what its first nodes need (see split_kept)
+        self.late: list[int] = []
         if mesh.size() != dist.get_world_size():
             raise ValueError(
                 f"train_step: the mesh {collectives.mesh_str(mesh)} has {mesh.size()} ranks but "
@@ -186,7 +212,7 @@ class _Group:
     """A communication group inside one micro-batch: its gathered tensors and their state."""
 
     __slots__ = ("gi", "idx", "sharded", "replicated", "bases", "fulls", "pending", "resident",
-                 "grads", "borrowed", "saved", "held", "handed_on", "versions")
+                 "grads", "borrowed", "saved", "held", "handed_on", "versions", "owed")
 
     def __init__(self, gi: int, idx: list[int], layouts: list[Layout]):
         self.gi, self.idx = gi, idx
@@ -202,6 +228,7 @@ class _Group:
         self.held = 0  # bytes of gathered storages this run still holds
         self.handed_on = False  # backward has prefetched the group after this one
         self.versions = None  # autograd version counters to restore after a refill
+        self.owed: list[int] = []  # leaves freed while the group is resident, gathered on use
 
 
 class _Tap(torch.autograd.Function):
@@ -263,25 +290,29 @@ class _Run:
         self.fwd_seen: list[int] = []  # groups in the order they were gathered
         self.bwd_seen: list[int] = []
         self.in_order = {"forward": True, "backward": True}  # seen so far == recorded order
+        self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
 
     # gathering ----------------------------------------------------------------------
 
-    def _launch(self, group: _Group, async_op: bool) -> collectives.Gathered:
-        lays = [self.plan.layouts[group.idx[k]] for k in group.sharded]
-        shards = [self.shards[group.idx[k]] for k in group.sharded]
-        dts = [self.plan.dtypes[group.idx[k]] for k in group.sharded]
+    def _launch(self, group: _Group, async_op: bool,
+                leaves: list[int] | None = None) -> collectives.Gathered:
+        """Start gathering the group's sharded ``leaves`` (default: all of them)."""
+        leaves = group.sharded if leaves is None else leaves
+        lays = [self.plan.layouts[group.idx[k]] for k in leaves]
+        shards = [self.shards[group.idx[k]] for k in leaves]
+        dts = [self.plan.dtypes[group.idx[k]] for k in leaves]
         # gathered before in this micro-batch: fill the same storages (autograd saved them)
-        into = None if group.bases is None else (lambda: self._refill(group))
+        into = None if group.bases is None else (lambda: self._refill(group, leaves))
         return collectives.all_gather(lays, shards, self.plan.mesh, dtypes=dts,
                                       async_op=async_op, into=into)
 
-    def _refill(self, group: _Group) -> list[torch.Tensor]:
-        """The group's padded full tensors, grown back to full size (or new, for a leaf
-        backward dropped), for a gather to write into."""
+    def _refill(self, group: _Group, leaves: list[int]) -> list[torch.Tensor]:
+        """The padded full tensors of ``leaves``, grown back to full size (or new, for a
+        leaf backward dropped), for a gather to write into."""
         plan, outs = self.plan, []
-        for k in group.sharded:
+        for k in leaves:
             b = group.bases[k]
             if b is None:  # dropped in backward (see _drop): a fresh storage
                 i = group.idx[k]
@@ -318,18 +349,62 @@ class _Run:
                 i = group.idx[k]
                 fulls[k] = bases[k] = self.shards[i].detach().to(plan.dtypes[i], copy=True)
             group.bases, group.fulls = bases, fulls
-        elif group.versions is not None:
+        else:
+            self._refilled(group)
+        group.held = 0
+        self._hold(group, group.sharded)
+        group.resident, group.handed_on, group.owed = True, False, []
+        self._note_peak()
+        return tuple(group.fulls)
+
+    def _refilled(self, group: _Group) -> None:
+        if group.versions is not None:
             group.versions.__exit__(None, None, None)
             group.versions = None
-        group.held = 0
-        for k in group.sharded:
+
+    def _hold(self, group: _Group, leaves: list[int]) -> None:
+        """``leaves`` are gathered: count their bytes, map their storages for ``pack``."""
+        for k in leaves:
             st = group.bases[k].untyped_storage()
             group.held += st.nbytes()
             if st.data_ptr():
                 self.storage[st.data_ptr()] = (group, k)
-        group.resident, group.handed_on = True, False
-        self._note_peak()
-        return tuple(group.fulls)
+
+    def _pay(self, group: _Group) -> None:
+        """Gather the leaves a resident group owes (waiting for their prefetch, if any)."""
+        pending = group.pending or self._launch(group, async_op=False, leaves=group.owed)
+        group.pending = None
+        pending.wait()
+        self._refilled(group)
+        self._hold(group, group.owed)
+        group.owed = []
+
+    def _forgo(self, group: _Group, leaves: list[int]) -> None:
+        """Free ``leaves`` of a resident group; it gathers them again when one is unpacked."""
+        for k in leaves:
+            b = group.bases[k]
+            if b is None:
+                continue
+            st = b.untyped_storage()
+            self.storage.pop(st.data_ptr(), None)
+            group.held -= st.nbytes()
+            st.resize_(0)
+            if group.saved[k]:  # autograd will want it back
+                group.owed.append(k)
+
+    def _settle_gather(self, group: _Group) -> None:
+        """Finish a gather of ``group`` still in flight (it writes into the group's storages)."""
+        if group.pending is not None:
+            group.pending.wait()
+            self._refilled(group)
+            group.pending = None
+            if group.bases is not None:
+                group.resident = True  # its storages may be full again: free() shrinks them
+
+    def _leaf_bytes(self, gi: int, k: int) -> int:
+        i = self.plan.members[gi][k]
+        lay = self.plan.layouts[i]
+        return lay.world * lay.padded_numel * self.plan.dtypes[i].itemsize
 
     def _note_peak(self) -> None:
         live = [g for g in self.groups if g.resident or g.pending is not None]
@@ -345,7 +420,7 @@ class _Run:
                 st = group.bases[k].untyped_storage()
                 self.storage.pop(st.data_ptr(), None)
                 st.resize_(0)
-        group.resident, group.held = False, 0
+        group.resident, group.held, group.owed = False, 0, []
 
     def _drop(self, group: _Group, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.
@@ -392,6 +467,12 @@ class _Run:
                     for k in self.plan.keep[gi]:
                         group.fulls[k] = _Tap.apply(self, group, k, outs[k])
             else:
+                if not forward:
+                    # The group backward reaches next: the previous group's reduce-scatter
+                    # (launched as its backward ended) is finished first, so its input is
+                    # not alive under this group's first node, where memory peaks.
+                    for _, _, pending in self.reducing:
+                        pending.advance()
                 self.gather(group)
             if forward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
@@ -437,22 +518,36 @@ class _Run:
         group = self.groups[gi]
         if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             self.use([gi], new_op=node is None or node is not self.node)
+            if k in group.owed:
+                self._pay(group)
         self.node = node
         if self.phase == "backward":
+            if self.record:
+                seen = self.first_unpack.setdefault(gi, [])
+                if k not in seen:
+                    seen.append(k)
             group.saved[k] -= 1
             if group.saved[k] == 0:
                 self._drop(group, k)
-            # Hand on once half the group is consumed, when the node consuming it is done:
-            # the next group's gather overlaps the rest of this one's backward, but is not
-            # allocated while the whole group (or the node's own outputs) are alive.
-            if (not group.handed_on and self.deferred is None and group.resident
-                    and 2 * group.held <= self.plan.group_bytes[gi]):
+            # Hand on once half the group is consumed (a group that owes leaves: once the
+            # rest is), when the node consuming it is done: the next gather overlaps the
+            # rest of this group's backward, but is not allocated while the whole group (or
+            # the node's own outputs) are alive.
+            if group.owed:
+                due = group.pending is None and group.held == 0
+            else:
+                due = not group.handed_on and 2 * group.held <= self.plan.group_bytes[gi]
+            if due and self.deferred is None and group.resident:
                 self.deferred = (node, group)
         return t
 
     def _hand_on(self, group: _Group) -> None:
-        """Backward is mostly done with ``group``: prefetch the group the recorded order has
-        next, if ``group`` is the one before it there."""
+        """Backward is mostly done with ``group``: prefetch the leaves it owes, else the
+        group the recorded order has next, if ``group`` is the one before it there."""
+        if group.owed:
+            if group.pending is None and self.policy.prefetch:
+                group.pending = self._launch(group, async_op=True, leaves=group.owed)
+            return
         if group.handed_on:
             return
         group.handed_on = True
@@ -480,7 +575,8 @@ class _Run:
                                                 else plan.dtypes[group.idx[k]])
                    for k in keep]
             b = self.buckets[group.gi] = collectives.GradBucket(
-                [plan.layouts[group.idx[k]] for k in keep], plan.mesh, dts, alias=True)
+                [plan.layouts[group.idx[k]] for k in keep], plan.mesh, dts, alias=True,
+                borrow=not self.accumulating)
         return b
 
     def put(self, group: _Group, k: int, grad: torch.Tensor) -> None:
@@ -493,6 +589,7 @@ class _Run:
         # group's whole backward to complete): its reduce-scatter is finished (freeing its
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
+        self._settle_gather(group)  # leaves it owed but backward never used
         self.free(group)
         self.settle(keep=1)
         self._hand_on(group)  # if unpacking did not already
@@ -523,21 +620,26 @@ class _Run:
             for g in self.groups:
                 if g.gi not in self.active and g.gi != self.plan.hold:
                     self.free(g)
+            hold = self.groups[self.plan.hold] if self.plan.hold is not None else None
+            if hold is not None and hold.resident and not hold.borrowed and self.plan.late:
+                self._forgo(hold, self.plan.late)
 
     def finish(self) -> None:
         self.settle()
         self.deferred = None
         for g in self.groups:
-            if g.pending is not None:  # a prefetch nobody used: finish it, drop the buffer
-                g.pending.wait()
-                g.pending, g.versions = None, None
-                g.resident = g.bases is not None  # it may have refilled them: free below
+            self._settle_gather(g)  # a prefetch nobody used: finish it, then free
             self.free(g)
         if self.record:
             fwd, bwd = list(self.fwd_seen), list(self.bwd_seen)
             self.plan.hold = kept_into_backward(fwd, bwd, self.policy)
+            self.plan.late = []
             if self.plan.hold is not None:
                 bwd.pop(0)
+                g = self.plan.hold
+                self.plan.late = split_kept(
+                    self.groups[g].sharded, self.first_unpack.get(g, []),
+                    [self._leaf_bytes(g, k) for k in range(len(self.plan.members[g]))])
             self.plan.fwd_order, self.plan.bwd_order = fwd, bwd
 
     def release(self) -> None:

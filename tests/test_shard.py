@@ -105,7 +105,7 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
     return worst_vs_reduce, worst_vs_mean, placements_ok, counts
 
 
-def bucket_parity(spec, shapes, puts, seed):
+def bucket_parity(spec, shapes, puts, seed, borrow=False):
     """GradBucket filled one gradient at a time, in any order, some leaves more than once
     (summed) and some never (zeros) == the mean over ranks of each rank's sums."""
     from funshard.collectives import GradBucket, layout_of
@@ -117,7 +117,7 @@ def bucket_parity(spec, shapes, puts, seed):
     s = fs.shard(x, m)
     layouts = [layout_of(k, v) for k, v in s.items()]
     grad = lambda r, j, i: make(shapes[i], "float32", seed + 7919 * (r + 1) + 31 * j)  # noqa
-    bucket = GradBucket(layouts, m, rdts)
+    bucket = GradBucket(layouts, m, rdts, borrow=borrow)
     for j, i in enumerate(puts):
         bucket.put(i, grad(rank, j, i), add=True)
     with CountCollectives() as cc:
@@ -354,7 +354,8 @@ def test_make_mesh_single_process():
                        max_size=4), data=st.data(), seed=st.integers(0, 2**16))
 def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
     puts = data.draw(st.lists(st.integers(0, len(shapes) - 1), max_size=8))
-    for rank, res in enumerate(pools.run(spec, bucket_parity, shapes, puts, seed)):
+    borrow = data.draw(st.booleans())  # gradients kept and sent from (gloo) or copied
+    for rank, res in enumerate(pools.run(spec, bucket_parity, shapes, puts, seed, borrow)):
         assert not isinstance(res, str), f"rank {rank}: {res}"
         worst, counts, bad = res
         assert worst < 1e-5, f"rank {rank}: differs from the mean of sums by {worst}"

@@ -147,9 +147,9 @@ def test_gpt_sgd_parity(pools, spec, raf):
             if world == 1:
                 assert c == {}, c
                 continue
-            # FULL_SHARD: twice per group, but the last block once: backward starts with it,
-            # so it stays gathered from forward on (from step 2, once the order is known)
-            ag = 2 * g - 1 if raf else g
+            # FULL_SHARD: twice per group. Backward starts with the last block: its first
+            # leaves stay gathered from forward on, the rest are gathered again (step 2 on)
+            ag = 2 * g if raf else g
             ar = 1 + (g if spec == "2x2" else 0)  # metrics + one per group on "replicate"
             assert c == {"all_gather": ag, "reduce_scatter": g, "all_reduce": ar}, c
 
