@@ -186,7 +186,10 @@ def _byte_plan(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]):
 #   (padded) tensor, so there is no flat buffer to copy out of, and no second copy of the
 #   group alive while it is copied;
 # - reduce-scatter: each rank sends every peer that peer's segment of the flat reduce
-#   input and sums what arrives into its own.
+#   input (or, borrowed, that peer's rows straight from each gradient) and sums what
+#   arrives into its own.
+# A message's buffer is held until ``wait``: gloo's point-to-point works cannot tell when
+# they are done. Messages between two ranks match in the order both post them.
 # Each rank sends (world - 1) / world of the bytes, as a ring does. Every exchange is one
 # logical collective: it is announced by one ``funshard::collective`` marker op, which the
 # counters (:class:`funshard.testing.CountCollectives`, the bench) count instead of its
@@ -194,6 +197,7 @@ def _byte_plan(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]):
 # turns the exchange off (for A/B runs).
 
 DIRECT_TAGS = {"all_gather": 0x6653_0001, "reduce_scatter": 0x6653_0002}
+_TAGS = frozenset(DIRECT_TAGS.values())
 
 _LIB = torch.library.Library("funshard", "DEF")
 _LIB.define("collective(Tensor anchor, str kind, int logical, int counted) -> ()")
@@ -208,9 +212,6 @@ def _direct(pg, t: torch.Tensor) -> bool:
 def is_direct_message(opname: str, args) -> bool:
     """A c10d ``send`` / ``recv_`` that belongs to a direct exchange (counted by its marker)."""
     return opname in ("send", "recv_") and len(args) > 3 and args[3] in _TAGS
-
-
-_TAGS = frozenset(DIRECT_TAGS.values())
 
 
 def _announce(kind: str, anchor: torch.Tensor, logical: int, counted: int) -> None:

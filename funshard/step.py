@@ -2,20 +2,21 @@
 
 ``loss_fn(params, batch)`` sees every parameter with its full shape. Inside the step each
 parameter is a lazy stand-in (:class:`_Lazy`); the first op that touches one gathers its
-whole communication group with one all-gather (in place: this rank's input is its segment
-of the output). With ``reshard_after_forward=True`` the previous group is freed as the next
-one is gathered, so about two groups are unsharded at any moment; the group backward starts
-with stays gathered from its forward use on. Autograd's saved copies of gathered parameters
-share the group's storage, which is freed (resized to 0 bytes) with the group;
-``saved_tensors_hooks`` count and tag them and, when backward needs one, gather its group
-again into the same storage.
+whole communication group with one all-gather. With ``reshard_after_forward=True`` the
+previous group is freed as the next one is gathered, so about two groups are unsharded at
+any moment; of the group backward starts with, the leaves its first nodes need stay
+gathered from forward on and the rest are gathered again. Autograd's saved copies of
+gathered parameters share the group's storage, which is freed (resized to 0 bytes) with the
+group; ``saved_tensors_hooks`` count and tag them and, when backward needs one, gather its
+group again into the same storage.
 
 Backward is frugal where FSDP2 holds a block whole: each parameter is let go after the last
 of its saved copies is used; the next group is prefetched only once half of the current one
-is consumed; each parameter's gradient goes into the group's reduce buffer the moment it is
-complete (:class:`_Tap`), not when the whole group is. Each group's buffer is reduce-scattered
-as soon as backward is done with the group (one collective per group, one in flight), then
-the gradient norm, clipping and the optimizer run on the local shards.
+is consumed; each parameter's gradient goes to the group's reduce bucket (:class:`_Tap`;
+on gloo the bucket keeps the gradient itself and sends its rows from there). Each group's
+bucket is reduce-scattered as soon as backward is done with the group (one collective per
+group), finished before backward gathers the next group, then the gradient norm, clipping
+and the optimizer run on the local shards.
 
 Why this mechanism (measured in tests/test_step.py): module hooks are out by design;
 activation checkpointing would recompute the forward; a per-op DTensor redistribute issues
@@ -55,10 +56,10 @@ class Policy:
 
     Args:
         reshard_after_forward: True frees each group after its forward use and gathers it
-            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group, but 1
-            all-gather for the group backward starts with when forward used it last: it is
-            kept, as torchtitan configures FSDP2's last block); False keeps groups gathered
-            until their backward (SHARD_GRAD_OP: 1 + 1).
+            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group; of
+            the group backward starts with, when forward used it last, the leaves backward
+            needs first stay gathered and only the rest are gathered again); False keeps
+            groups gathered until their backward (SHARD_GRAD_OP: 1 + 1).
         param_dtype: compute dtype for floating parameters (e.g. torch.bfloat16); master
             weights and optimizer state keep the parameters' dtype.
         reduce_dtype: dtype gradients are reduced in (e.g. torch.float32).
@@ -415,6 +416,8 @@ class _Run:
     def free(self, group: _Group) -> None:
         if not group.resident or group.borrowed:
             return
+        if group.pending is not None:  # leaves it owed are on their way into its storages
+            self._settle_gather(group)
         for k in group.sharded:
             if group.bases[k] is not None:
                 st = group.bases[k].untyped_storage()
@@ -589,7 +592,6 @@ class _Run:
         # group's whole backward to complete): its reduce-scatter is finished (freeing its
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
-        self._settle_gather(group)  # leaves it owed but backward never used
         self.free(group)
         self.settle(keep=1)
         self._hand_on(group)  # if unpacking did not already
