@@ -474,8 +474,7 @@ class _Run:
                     # The group backward reaches next: the previous group's reduce-scatter
                     # (launched as its backward ended) is finished first, so its input is
                     # not alive under this group's first node, where memory peaks.
-                    for _, _, pending in self.reducing:
-                        pending.advance()
+                    self.advance()
                 self.gather(group)
             if forward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
@@ -568,8 +567,7 @@ class _Run:
         if b is None:
             # The previous group's reduce-scatter had this group's first node to complete:
             # finish it now, so its input is freed before this bucket is allocated.
-            for _, _, pending in self.reducing:
-                pending.advance()
+            self.advance()
             plan, keep = self.plan, self.plan.keep[group.gi]
             # Reduce in reduce_dtype; else in the compute dtype, or when micro-batches are
             # summed first, in the parameters' own dtype.
@@ -613,6 +611,11 @@ class _Run:
             group.grads = [None] * len(group.idx)
             for k, g in zip(pos, pending.wait()):
                 group.grads[k] = g
+        self.advance()
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter of every reduction in flight (freeing its input) and
+        launch its "replicate" all-reduce, if any."""
         for _, _, pending in self.reducing:
             pending.advance()
 
