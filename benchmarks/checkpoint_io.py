@@ -61,7 +61,7 @@ def _timed(fn) -> float:
 
 def _fresh(state):
     """Empty DTensors placed like ``state`` (targets for plain dcp.load)."""
-    return {k: (fs.collectives.as_dtensor(torch.empty_like(v._local_tensor), v)
+    return {k: (fs.layout.as_dtensor(torch.empty_like(v._local_tensor), v)
                 if isinstance(v, DTensor) else v)
             for k, v in ck.state_dict(state, "sharded").items()}
 

@@ -6,21 +6,26 @@
     >>> full = fs.unshard(sparams)
 """
 
-from . import checkpoint, collectives, optim, pytree
+from . import checkpoint, comm, layout, mesh, optim, pytree, step
 from .checkpoint import load_state_dict, state_dict
-from .collectives import reduce_grads
+from .comm import CollectiveTimeout
+from .mesh import make_mesh
 from .pytree import params
-from .shard import make_mesh, reshard, shard, unshard
+from .reduce import reduce_grads
+from .shard import reshard, shard, unshard
 from .step import Policy, TrainState, TrainStep, train_step
 
 __all__ = [
+    "CollectiveTimeout",
     "Policy",
     "TrainState",
     "TrainStep",
     "checkpoint",
-    "collectives",
+    "comm",
+    "layout",
     "load_state_dict",
     "make_mesh",
+    "mesh",
     "optim",
     "params",
     "pytree",
@@ -28,6 +33,7 @@ __all__ = [
     "reshard",
     "shard",
     "state_dict",
+    "step",
     "train_step",
     "unshard",
 ]

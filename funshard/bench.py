@@ -59,7 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import plan as planlib
 from .models import GPT, gpt_loss
 from .optim import adamw
-from .shard import make_mesh, shard
+from .mesh import make_mesh
+from .shard import shard
 from .step import Policy, train_step
 from .testing import LiveMemory, classify
 

@@ -44,9 +44,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from . import collectives, pytree
-from .collectives import Layout, mesh_str
-from .step import default_group
+from . import comm, pytree
+from .layout import Layout, as_dtensor, layout_of, local_slice
+from .mesh import mesh_str, shard_dim
+from .step.schedule import default_group
 
 Tree = Any
 KINDS = ("full", "sharded", "local")
@@ -141,7 +142,7 @@ def state_dict(tree: Tree, kind: str = "full", *, rank0_only: bool = False,
     keys, leaves, _ = _flat(tree)
     for k, v in zip(keys, leaves):
         if isinstance(v, DTensor):
-            collectives.layout_of(k, v)  # placements funshard can gather, or a clear error
+            layout_of(k, v)  # placements funshard can gather, or a clear error
     if kind == "sharded":
         return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in zip(keys, leaves)}
     if kind == "local":
@@ -154,7 +155,7 @@ def _local_shard(key: str, v: Any) -> Any:
         return v
     if not isinstance(v, DTensor):
         return LocalShard(v.detach(), tuple(v.shape), (0,) * v.ndim, (), ())
-    lay = collectives.layout_of(key, v)
+    lay = layout_of(key, v)
     mesh = v.device_mesh
     offset = (lay.start,) + (0,) * (v.ndim - 1) if v.ndim else ()
     return LocalShard(v._local_tensor.detach(), tuple(v.shape), offset,
@@ -183,13 +184,13 @@ def _full(keys, leaves, *, rank0_only: bool, cpu_offload: bool) -> dict[str, Any
     out: dict[str, Any] = dict.fromkeys(keys)
     for idx in _groups(keys, leaves):
         sharded = [i for i in idx if isinstance(leaves[i], DTensor)
-                   and collectives.layout_of(keys[i], leaves[i]).sharded]
+                   and layout_of(keys[i], leaves[i]).sharded]
         got: dict[int, torch.Tensor] = {}
         if sharded:
             mesh = leaves[sharded[0]].device_mesh
-            lays = [collectives.layout_of(keys[i], leaves[i]) for i in sharded]
+            lays = [layout_of(keys[i], leaves[i]) for i in sharded]
             shards = [leaves[i]._local_tensor.detach() for i in sharded]
-            full = collectives.all_gather(lays, shards, mesh).wait()  # one collective
+            full = comm.all_gather(lays, shards, mesh).wait()  # one collective
             got = dict(zip(sharded, full))
             del full, shards
         if not keep:
@@ -329,8 +330,8 @@ def _build(key: str, got: Any, want: Any) -> Any:
             got = got.redistribute(want.device_mesh, want.placements)
         local = got._local_tensor.detach().to(want.device, copy=True)
     elif isinstance(want, DTensor):
-        lay = collectives.layout_of(key, want)
-        local = collectives.local_slice(got.detach(), lay).to(want.device, copy=True)
+        lay = layout_of(key, want)
+        local = local_slice(got.detach(), lay).to(want.device, copy=True)
     else:
         local = got.detach().to(want.device, copy=True)
     return _like(local.contiguous(), want)
@@ -338,7 +339,7 @@ def _build(key: str, got: Any, want: Any) -> Any:
 
 def _like(local: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     if isinstance(want, DTensor):
-        return collectives.as_dtensor(local, want, requires_grad=want.requires_grad)
+        return as_dtensor(local, want, requires_grad=want.requires_grad)
     return local.requires_grad_(want.requires_grad) if want.requires_grad else local
 
 
@@ -391,10 +392,10 @@ def _scatter_group(keys, likes, full) -> list[torch.Tensor]:
                 raise ValueError(f"load_state_dict(rank0_only=True): {k!r} is on {mesh_str(mesh)} "
                                  f"of {mesh.size()} ranks but the world has {world}; use a mesh "
                                  "over every rank or rank0_only=False")
-            sdim = collectives.shard_dim(mesh)
+            sdim = shard_dim(mesh)
             for idx in torch.nonzero(mesh.mesh >= 0).tolist():  # global rank -> shard coordinate
                 coord[int(mesh.mesh[tuple(idx)])] = idx[sdim]
-            lays.append(collectives.layout_of(k, v))
+            lays.append(layout_of(k, v))
         else:
             lays.append(Layout(k, v.shape, v.dtype, False, 1, 0))
     offs, total = _segments(lays)
@@ -406,7 +407,7 @@ def _scatter_group(keys, likes, full) -> list[torch.Tensor]:
         for c in sorted(set(coord)):
             buf = torch.zeros(total, dtype=torch.uint8, device=device)
             for lay, off, t in zip(lays, offs, full):
-                piece = collectives.local_slice(t.detach(), lay._replace(rank=c) if lay.sharded
+                piece = local_slice(t.detach(), lay._replace(rank=c) if lay.sharded
                                                 else lay)
                 n = piece.numel() * lay.dtype.itemsize
                 buf[off:off + n].view(lay.dtype).copy_(piece.reshape(-1))
@@ -787,7 +788,7 @@ def load(path: str | os.PathLike, like: Tree, *, verify: bool = True) -> Tree:
 def _empty_like(v: Any) -> Any:
     if isinstance(v, DTensor):
         local = torch.empty_like(v._local_tensor, requires_grad=False)
-        return collectives.as_dtensor(local, v)
+        return as_dtensor(local, v)
     if isinstance(v, torch.Tensor):
         return torch.empty_like(v, requires_grad=False)
     return v

@@ -27,9 +27,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from . import collectives, pytree
-from .collectives import Layout
-from .step import Policy, default_group, kept_into_backward, split_kept
+from .layout import Layout, compute_dtype, gather_bytes
+from .step import Policy
+from .step.schedule import Schedule, group_names, make_schedule, partition
 
 _METRICS_BYTES = 16  # the step's one all-reduce: (loss, squared grad norm) in float64
 
@@ -99,24 +99,6 @@ def _leaves(shapes: Any) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
     return out
 
 
-def _group_names(names: list[str], policy: Policy) -> list[str]:
-    if policy.groups is None:
-        return [default_group(n) for n in names]
-    if callable(policy.groups):
-        return [policy.groups(n) for n in names]
-    tree = dict.fromkeys(names, 0)
-    return pytree.broadcast_prefix(policy.groups, tree, name="Policy.groups")
-
-
-def _gather_bytes(lays: list[Layout], dtypes: list[torch.dtype]) -> int:
-    """Output bytes of collectives.all_gather for one bucket (0 when nothing is gathered)."""
-    sizes = [lay.padded_numel * dt.itemsize for lay, dt in zip(lays, dtypes) if lay.padded_numel]
-    if not sizes:
-        return 0
-    total = sum(sizes)
-    return lays[0].world * (total + (-total % collectives._ALIGN))
-
-
 def _pairs(seq: list[int], nbytes: Sequence[int]) -> int:
     """Largest bytes of two consecutive distinct groups in a use order (or one group)."""
     best = max((nbytes[g] for g in seq), default=0)
@@ -169,79 +151,119 @@ def plan(
     n_state = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}.get(optimizer)
     if n_state is None:
         raise ValueError(f"plan: optimizer={optimizer!r}; use 'adamw', 'sgd_momentum' or 'sgd'")
+    t = _tree(shapes, shard, policy)
+    sched = _schedule(t, policy, forward, backward)
+    comms = _gather_traffic(t, sched, policy, shard)
+    comms.update(_reduce_traffic(t, policy, shard, replicate))
+    comms = {k: v for k, v in comms.items() if v.count}
+    return Plan((replicate, shard), sum(math.prod(lay.shape) for lay in t.lays), t.pbytes,
+                tuple(t.groups), tuple(t.group_bytes), _memory(t, sched, policy, n_state),
+                comms, _bound(t, policy, shard, replicate))
+
+
+class _Tree(NamedTuple):
+    """The leaves as the step would see them on rank 0 of ``"shard"``."""
+
+    lays: list[Layout]
+    trainable: list[bool]
+    dtypes: list[torch.dtype]  # compute dtypes
+    groups: list[str]
+    members: list[list[int]]
+    group_bytes: list[int]  # full (padded) bytes per group, compute dtype
+    pbytes: int  # parameter bytes in the compute dtype, no padding
+
+    def rdt(self, i: int, policy: Policy) -> torch.dtype:
+        return policy.reduce_dtype or self.dtypes[i]
+
+
+def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
     leaves = _leaves(shapes)
     names = [n for n, *_ in leaves]
     lays = [Layout(n, s, dt, len(s) > 0, shard, 0) for n, s, dt, _ in leaves]
-    trainable = [t for *_, t in leaves]
-    dtypes = [policy.param_dtype if (policy.param_dtype is not None and dt.is_floating_point)
-              else dt for _, _, dt, _ in leaves]
-    gnames = _group_names(names, policy)
-    order: dict[str, list[int]] = {}
-    for i, g in enumerate(gnames):
-        order.setdefault(g, []).append(i)
-    groups, members = list(order), list(order.values())
-    index = {g: k for k, g in enumerate(groups)}
+    dtypes = [compute_dtype(dt, policy.param_dtype) for _, _, dt, _ in leaves]
+    groups, members = partition(group_names(names, policy.groups, dict.fromkeys(names, 0)))
+    group_bytes = [sum(lays[i].full_bytes(dtypes[i]) for i in idx if lays[i].sharded)
+                   for idx in members]
+    pbytes = sum(math.prod(lay.shape) * dt.itemsize for lay, dt in zip(lays, dtypes))
+    return _Tree(lays, [t for *_, t in leaves], dtypes, groups, members, group_bytes, pbytes)
+
+
+def _schedule(t: _Tree, policy: Policy, forward, backward) -> Schedule:
+    """The step's :class:`Schedule` for a stated order; backward is assumed to reach a
+    group's leaves in reverse parameter order (for the kept group's split)."""
+    index = {g: k for k, g in enumerate(t.groups)}
     for what, seq in (("forward", forward), ("backward", backward)):
         unknown = [g for g in (seq or []) if g not in index]
         if unknown:
             raise ValueError(f"plan: {what} names groups {unknown} that no parameter is in; "
-                             f"the groups are {groups}.")
-    fwd = [index[g] for g in forward] if forward is not None else list(range(len(groups)))
+                             f"the groups are {t.groups}.")
+    fwd = [index[g] for g in forward] if forward is not None else list(range(len(t.groups)))
     bwd = [index[g] for g in backward] if backward is not None else _dedupe(fwd[::-1])[1:]
-    kept = kept_into_backward(_dedupe(fwd), bwd, policy)
-    if kept is not None:
-        bwd = bwd[1:]  # the step keeps it gathered from its forward use into backward
-    world = shard * replicate
 
-    # memory on the largest rank (rank 0 of "shard" holds ceil(rows / shard) rows)
-    local = [lay.local_rows * lay.row_numel * lay.dtype.itemsize for lay in lays]
-    group_bytes = [sum(lays[i].world * lays[i].padded_numel * dtypes[i].itemsize
-                       for i in idx if lays[i].sharded) for idx in members]
+    def kept_leaves(g: int):
+        idx = t.members[g]
+        pos = [k for k, i in enumerate(idx) if t.lays[i].sharded]
+        return pos, pos[::-1], [t.lays[i].full_bytes(t.dtypes[i]) for i in idx]
+
+    return make_schedule(_dedupe(fwd), bwd, reshard_after_forward=policy.reshard_after_forward,
+                         kept_leaves=kept_leaves)
+
+
+def _memory(t: _Tree, sched: Schedule, policy: Policy, n_state: int) -> dict[str, int]:
+    """Per-rank bytes by kind, on the rank with the largest shards (rank 0 of "shard")."""
+    local = [lay.local_rows * lay.row_numel * lay.dtype.itemsize for lay in t.lays]
     if policy.reshard_after_forward:  # the computing group and the prefetched next one
-        peak = max(group_bytes, default=0)
+        peak = max(t.group_bytes, default=0)
         if policy.prefetch:
-            peak = max(peak, _pairs(_dedupe(fwd), group_bytes), _pairs(_dedupe(bwd), group_bytes))
+            peak = max(peak, _pairs(list(sched.forward), t.group_bytes),
+                       _pairs(_dedupe(list(sched.backward)), t.group_bytes))
     else:
-        peak = sum(group_bytes[g] for g in set(fwd))
-    rdt = lambda i: policy.reduce_dtype or dtypes[i]  # noqa: E731
-    grad_full = [sum(lays[i].world * lays[i].padded_numel * rdt(i).itemsize
-                     for i in idx if trainable[i]) for idx in members]
+        peak = sum(t.group_bytes[g] for g in set(sched.forward))
+    grad_full = [sum(t.lays[i].full_bytes(t.rdt(i, policy)) for i in idx if t.trainable[i])
+                 for idx in t.members]
     memory = {
         "params": sum(local),
-        "grads": sum(b for b, t in zip(local, trainable) if t),
-        "optimizer": n_state * sum(b for b, t in zip(local, trainable) if t),
+        "grads": sum(b for b, tr in zip(local, t.trainable) if tr),
+        "optimizer": n_state * sum(b for b, tr in zip(local, t.trainable) if tr),
         "unsharded_peak": peak,
         # one group's full gradients and the flat buffer they are chunked into
         "reduce_buffers": 2 * max(grad_full, default=0),
     }
     memory["total"] = sum(memory.values())
+    return memory
 
-    # traffic: one all-gather per gather of a group, one reduction per group
-    ag_per_group = [_gather_bytes([lays[i] for i in idx if lays[i].sharded],
-                                  [dtypes[i] for i in idx if lays[i].sharded])
-                    if shard > 1 else 0 for idx in members]
-    gathers = _dedupe(fwd) + bwd if policy.reshard_after_forward else sorted(set(fwd))
-    ag = [ag_per_group[g] for g in gathers if ag_per_group[g]]
-    if kept is not None and shard > 1:
-        # the kept group's leaves past the first half backward needs are gathered again;
-        # backward is assumed to reach a group's leaves in reverse parameter order
-        idx = members[kept]
-        pos = [k for k, i in enumerate(idx) if lays[i].sharded]
-        late = split_kept(pos, pos[::-1], [lays[i].world * lays[i].padded_numel
-                                           * dtypes[i].itemsize for i in idx])
-        if late:
-            ag.append(_gather_bytes([lays[idx[k]] for k in late],
-                                    [dtypes[idx[k]] for k in late]))
-    rs_in = rs_out = ar = ar_rep = 0
-    n_rs = n_ar = n_ar_rep = 0
-    for idx in members:
-        keep = [i for i in idx if trainable[i]]
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _gather_traffic(t: _Tree, sched: Schedule, policy: Policy, shard: int) -> dict:
+    """One all-gather per gather of a group (the kept group's late leaves once more)."""
+    def bucket(leaves: list[int]) -> int:
+        sharded = [i for i in leaves if t.lays[i].sharded]
+        return gather_bytes([t.lays[i] for i in sharded], [t.dtypes[i] for i in sharded])
+
+    per_group = [bucket(idx) if shard > 1 else 0 for idx in t.members]
+    gathers = (list(sched.forward) + list(sched.backward) if policy.reshard_after_forward
+               else sorted(set(sched.forward)))
+    ag = [per_group[g] for g in gathers if per_group[g]]
+    if sched.kept is not None and shard > 1 and sched.kept_late:
+        idx = t.members[sched.kept]
+        ag.append(bucket([idx[k] for k in sched.kept_late]))
+    return {"all_gather": Traffic(len(ag), sum(ag), sum(ag), int(sum(ag) * _ring(shard)))}
+
+
+def _reduce_traffic(t: _Tree, policy: Policy, shard: int, replicate: int) -> dict:
+    """Per group and reduce dtype: one reduce-scatter (sharded leaves), one all-reduce on
+    "shard" (replicated leaves), one on "replicate"; plus the step's metrics all-reduce."""
+    rs_in = rs_out = ar = ar_rep = n_rs = n_ar = n_ar_rep = 0
+    for idx in t.members:
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in keep:
-            by_dtype.setdefault(rdt(i), []).append(i)
+        for i in (i for i in idx if t.trainable[i]):
+            by_dtype.setdefault(t.rdt(i, policy), []).append(i)
         for dt, ids in by_dtype.items():
-            seg = sum(lays[i].padded_numel for i in ids if lays[i].sharded and lays[i].padded_numel)
-            rep = sum(lays[i].row_numel * lays[i].rows for i in ids if not lays[i].sharded)
+            seg = sum(t.lays[i].padded_numel for i in ids if t.lays[i].sharded)
+            rep = sum(t.lays[i].row_numel * t.lays[i].rows for i in ids if not t.lays[i].sharded)
             if seg and shard > 1:
                 n_rs += 1
                 rs_in += shard * seg * dt.itemsize
@@ -252,30 +274,28 @@ def plan(
             if (seg or rep) and replicate > 1:
                 n_ar_rep += 1
                 ar_rep += (seg + rep) * dt.itemsize
-    ring = lambda n: (n - 1) / n  # noqa: E731
+    world = shard * replicate
     metrics = 1 if world > 1 else 0
-    comms = {
-        "all_gather": Traffic(len(ag), sum(ag), sum(ag), int(sum(ag) * ring(shard))),
-        "reduce_scatter": Traffic(n_rs, rs_in, rs_out, int(rs_in * ring(shard))),
-        "all_reduce": Traffic(
-            n_ar + n_ar_rep + metrics, ar + ar_rep + metrics * _METRICS_BYTES,
-            ar + ar_rep + metrics * _METRICS_BYTES,
-            int(2 * ring(shard) * ar + 2 * ring(replicate) * ar_rep
-                + 2 * ring(world) * metrics * _METRICS_BYTES),
-        ),
+    ar_bytes = ar + ar_rep + metrics * _METRICS_BYTES
+    wire = int(2 * _ring(shard) * ar + 2 * _ring(replicate) * ar_rep
+               + 2 * _ring(world) * metrics * _METRICS_BYTES)
+    return {
+        "reduce_scatter": Traffic(n_rs, rs_in, rs_out, int(rs_in * _ring(shard))),
+        "all_reduce": Traffic(n_ar + n_ar_rep + metrics, ar_bytes, ar_bytes, wire),
     }
-    comms = {k: v for k, v in comms.items() if v.count}
 
-    # the bound: every parameter gathered twice (once) and reduced once, no padding
-    pbytes = sum(math.prod(lay.shape) * dt.itemsize for lay, dt in zip(lays, dtypes))
-    G = sum(1 for idx in members if any(lays[i].sharded and trainable[i] for i in idx))
+
+def _bound(t: _Tree, policy: Policy, shard: int, replicate: int) -> dict:
+    """Every parameter gathered twice (once) and reduced once, no padding."""
+    pbytes = t.pbytes
+    G = sum(1 for idx in t.members if any(t.lays[i].sharded and t.trainable[i] for i in idx))
     k = 2 if policy.reshard_after_forward else 1
     bound = {}
     if shard > 1:
-        bound["all_gather"] = Traffic(k * G, k * pbytes, k * pbytes, int(k * pbytes * ring(shard)))
-        bound["reduce_scatter"] = Traffic(G, pbytes, pbytes // shard, int(pbytes * ring(shard)))
+        bound["all_gather"] = Traffic(k * G, k * pbytes, k * pbytes,
+                                      int(k * pbytes * _ring(shard)))
+        bound["reduce_scatter"] = Traffic(G, pbytes, pbytes // shard, int(pbytes * _ring(shard)))
     if replicate > 1:
         b = pbytes // shard
-        bound["all_reduce"] = Traffic(G, b, b, int(2 * b * ring(replicate)))
-    return Plan((replicate, shard), sum(math.prod(lay.shape) for lay in lays), pbytes,
-                tuple(groups), tuple(group_bytes), memory, comms, bound)
+        bound["all_reduce"] = Traffic(G, b, b, int(2 * b * _ring(replicate)))
+    return bound

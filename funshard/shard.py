@@ -1,6 +1,6 @@
-"""Meshes and the shard / unshard / reshard trio.
+"""The shard / unshard / reshard trio.
 
-    >>> mesh = make_mesh(shard=2)                  # 1-D ("shard",)
+    >>> mesh = fs.make_mesh(shard=2)               # 1-D ("shard",)
     >>> s = shard({"w": torch.randn(7, 3)}, mesh)  # DTensor (7, 3), local (4, 3) / (3, 3)
     >>> unshard(s)["w"].shape                      # torch.Size([7, 3]); differentiable
     >>> reshard(unshard(s), like=s)                # back to shards, no communication
@@ -8,93 +8,18 @@
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives, pytree
-from .collectives import REPLICATE, SHARD, Layout, mesh_str
+from . import comm, pytree
+from .layout import (Layout, as_dtensor, compute_dtype, describe, local_slice,
+                     placements_for)
+from .mesh import REPLICATE, SHARD, mesh_str, shard_dim
 
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
-
-
-def _init_process_group(device_type: str, timeout: float | None) -> None:
-    if dist.is_initialized():
-        return
-    kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / torch elastic
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # A restarted elastic job reuses the agent's store, where the dead workers'
-            # addresses still sit under the default keys: key this attempt's group apart.
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                timeout=kw.get("timeout", timedelta(minutes=5)),
-            )
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(f"funshard/attempt_{attempt}", store),
-                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **kw,
-            )
-        else:
-            dist.init_process_group(backend, **kw)
-    else:  # a plain single process: a world of one
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
-
-
-def make_mesh(
-    shard: int | None = None,
-    replicate: int = 1,
-    *,
-    device_type: str | None = None,
-    timeout: float | None = None,
-) -> DeviceMesh:
-    """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks.
-
-    Initialises the default process group from torchrun's environment when needed (NCCL on
-    CUDA, gloo on CPU); a single process without that environment gets a world of 1.
-
-    Args:
-        shard: ranks per shard group (default: world size // replicate).
-        replicate: number of replicas (HSDP); 1 gives a 1-D mesh.
-        device_type: "cuda" or "cpu" (default: cuda when available).
-        timeout: seconds a collective may wait before it fails with a timeout error on
-            every rank (default: torch's, 10-30 minutes); used when this call initialises
-            the process group.
-    Returns:
-        DeviceMesh; ``make_mesh(shard=2, replicate=2)`` on 4 ranks -> 2x2.
-    """
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, v in (("shard", shard), ("replicate", replicate)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"make_mesh: {name}={v!r} must be a positive int")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"make_mesh: timeout={timeout!r} must be a positive number of seconds")
-    _init_process_group(device_type, timeout)
-    world = dist.get_world_size()
-    if world % replicate:
-        raise ValueError(
-            f"make_mesh: replicate={replicate} does not divide the world size {world}; "
-            f"choose replicate from the divisors of {world}."
-        )
-    if shard is None:
-        shard = world // replicate
-    if shard * replicate != world:
-        raise ValueError(
-            f"make_mesh: shard={shard} x replicate={replicate} = {shard * replicate} ranks, but "
-            f"the world has {world}; the mesh must cover every rank (e.g. shard={world // replicate})."
-        )
-    if replicate == 1:
-        return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD,))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
 
 
 def _check_leaf(name: str, leaf: Any, what: str) -> torch.Tensor:
@@ -130,7 +55,7 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    collectives.shard_dim(mesh, where="shard: ")
+    shard_dim(mesh, where="shard: ")
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
     device = torch.device(mesh.device_type)
@@ -145,12 +70,12 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
                 f"shard: spec for leaf {name!r} (shape {tuple(t.shape)}) is {how!r}; use "
                 f"{SHARD!r} or {REPLICATE!r}."
             )
-        placements = collectives.placements_for(mesh, t.ndim, how)
+        placements = placements_for(mesh, t.ndim, how)
         lay = _layout(name, t, mesh, placements)
         if t.is_meta:
             local = torch.empty(lay.local_shape, dtype=t.dtype, device=device)
         else:
-            local = collectives.local_slice(t.detach(), lay).to(device, copy=True)
+            local = local_slice(t.detach(), lay).to(device, copy=True)
             local = local.contiguous()
         d = DTensor.from_local(
             local, mesh, placements, run_check=False, shape=t.shape, stride=_contiguous(t.shape)
@@ -168,7 +93,7 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _layout(name: str, t: torch.Tensor, mesh: DeviceMesh, placements) -> Layout:
-    sdim = collectives.shard_dim(mesh)
+    sdim = shard_dim(mesh)
     sharded = any(getattr(p, "dim", None) == 0 for p in placements)
     return Layout(name, t.shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim))
 
@@ -178,6 +103,7 @@ def unshard(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    transport: str = "auto",
 ) -> Any:
     """DTensor shards -> plain full tensors, with one all-gather for the whole tree.
 
@@ -190,18 +116,20 @@ def unshard(
         param_dtype: gather floating leaves in this dtype (mixed precision, e.g. bfloat16).
         reduce_dtype: reduce gradients in this dtype (e.g. float32); grads come back in the
             shards' dtype.
+        transport: how the bytes move: ``"auto"``, ``"c10d"`` or ``"p2p"`` (see
+            :mod:`funshard.comm`).
     Returns:
         the same tree with full-shape plain tensors.
 
     Example: ``unshard(shard({"w": x}, mesh))["w"]`` equals ``x`` bitwise.
     """
-    mesh, paths, leaves, layouts, spec = collectives.describe(tree, what="unshard")
+    mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
     if not leaves:
         return pytree.unflatten(spec, [])
     shards = [d.to_local() for d in leaves]  # differentiable: grads come back as DTensors
-    full = collectives.unshard_leaves(
-        layouts, shards, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-    )
+    comm.check_transport(transport, where="unshard")
+    full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
+                          reduce_dtype=reduce_dtype, transport=transport)
     return pytree.unflatten(spec, full)
 
 
@@ -217,7 +145,7 @@ def reshard(full: Any, like: Any) -> Any:
     Example: ``reshard(unshard(s), like=s)`` equals ``s`` shard for shard.
     """
     pytree.check_same_structure(full, like, names=("full", "like"))
-    mesh, paths, likes, layouts, spec = collectives.describe(like, what="reshard")
+    mesh, paths, likes, layouts, spec = describe(like, what="reshard")
     out = []
     for leaf, d, lay in zip(pytree.flatten(full)[0], likes, layouts):
         t = _check_leaf(lay.path, leaf, "reshard")
@@ -226,6 +154,57 @@ def reshard(full: Any, like: Any) -> Any:
                 f"reshard: leaf {lay.path!r} has shape {tuple(t.shape)} but like's DTensor has "
                 f"global shape {tuple(lay.shape)} on {mesh_str(mesh)}; pass full-shape tensors."
             )
-        local = collectives.local_slice(t.detach(), lay).to(d.device, copy=True).contiguous()
-        out.append(collectives.as_dtensor(local, d, requires_grad=d.requires_grad))
+        local = local_slice(t.detach(), lay).to(d.device, copy=True).contiguous()
+        out.append(as_dtensor(local, d, requires_grad=d.requires_grad))
     return pytree.unflatten(spec, out)
+
+
+class _Unshard(torch.autograd.Function):
+    """Shards -> full tensors; backward: full grads -> reduced local shard grads."""
+
+    @staticmethod
+    def forward(ctx, layouts, mesh, dtypes, reduce_dtype, transport, *shards):
+        ctx.layouts, ctx.mesh, ctx.reduce_dtype = layouts, mesh, reduce_dtype
+        ctx.transport = transport
+        ctx.set_materialize_grads(False)
+        gathered = [k for k, lay in enumerate(layouts) if lay.sharded]
+        full = list(shards)
+        if gathered:
+            got = comm.all_gather(
+                [layouts[k] for k in gathered], [shards[k] for k in gathered], mesh,
+                dtypes=[dtypes[k] for k in gathered], transport=transport,
+            ).wait()
+            for k, g in zip(gathered, got):
+                full[k] = g
+        for k, lay in enumerate(layouts):
+            if not lay.sharded:  # replicated: a fresh tensor, cast like the rest
+                full[k] = shards[k].to(dtypes[k], copy=True)
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need = [k for k, flag in enumerate(ctx.needs_input_grad[5:]) if flag]
+        res = [None] * len(ctx.layouts)
+        if need:
+            got = comm.reduce_scatter(
+                [ctx.layouts[k] for k in need], [grads[k] for k in need], ctx.mesh,
+                reduce_dtype=ctx.reduce_dtype, transport=ctx.transport,
+            )
+            for k, g in zip(need, got):
+                res[k] = g
+        return (None, None, None, None, None, *res)
+
+
+def unshard_leaves(
+    layouts: Sequence[Layout],
+    shards: Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    transport: str = "auto",
+) -> list[torch.Tensor]:
+    """Differentiable bucketed gather of local shards (autograd sees one node)."""
+    dtypes = [compute_dtype(s.dtype, param_dtype) for s in shards]
+    return list(_Unshard.apply(tuple(layouts), mesh, tuple(dtypes), reduce_dtype, transport,
+                               *shards))

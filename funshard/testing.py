@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .collectives import is_direct_message
+from .comm import is_direct_message
 
 MeshSpec = "int | str"
 
@@ -57,7 +57,7 @@ _MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process group
 
 def mesh(spec=None):
     """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; ``"RxS"`` -> 2-D."""
-    from .shard import make_mesh
+    from .mesh import make_mesh
 
     spec = dist.get_world_size() if spec is None else spec
     if spec not in _MESHES:
@@ -283,7 +283,7 @@ def _nbytes(x) -> int:
 def classify(func, args) -> tuple[str, int, int] | None:
     """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
     one (barriers, other ops, and the messages of a funshard direct exchange, which its
-    ``funshard::collective`` marker stands for: see :mod:`funshard.collectives`).
+    ``funshard::collective`` marker stands for: see :mod:`funshard.comm`).
 
     Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
     all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,

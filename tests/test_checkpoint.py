@@ -48,9 +48,9 @@ def train_state(m, leaves, seed, step=5):
 
 
 def zeros_like_state(state, step=0):
-    z = fs.pytree.tree_map(lambda d: fs.collectives.as_dtensor(
+    z = fs.pytree.tree_map(lambda d: fs.layout.as_dtensor(
         torch.zeros_like(d._local_tensor), d, requires_grad=d.requires_grad), state.params)
-    return fs.TrainState(z, fs.pytree.tree_map(lambda d: fs.collectives.as_dtensor(
+    return fs.TrainState(z, fs.pytree.tree_map(lambda d: fs.layout.as_dtensor(
         torch.zeros_like(d._local_tensor), d), state.opt_state), step)
 
 
@@ -94,7 +94,7 @@ def roundtrip(spec, leaves, seed):
 
 
 def _gathered(key, d):
-    lay = fs.collectives.layout_of(key, d)
+    lay = fs.layout.layout_of(key, d)
     return lay.sharded and lay.padded_numel > 0 and lay.world > 1
 
 
@@ -599,7 +599,7 @@ def export_then_import(spec, path, stock_path):
     model = MLP(dim=5, hidden=7, layers=2, out=3)
     sp = fs.shard(fs.params(model), m)
     ck.export_full(path, sp)
-    like = fs.pytree.tree_map(lambda d: fs.collectives.as_dtensor(
+    like = fs.pytree.tree_map(lambda d: fs.layout.as_dtensor(
         torch.zeros_like(d._local_tensor), d, requires_grad=True), sp)
     out = []
     for rank0_only in (True, False):

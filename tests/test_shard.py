@@ -108,7 +108,8 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
 def bucket_parity(spec, shapes, puts, seed, borrow=False):
     """GradBucket filled one gradient at a time, in any order, some leaves more than once
     (summed) and some never (zeros) == the mean over ranks of each rank's sums."""
-    from funshard.collectives import GradBucket, layout_of
+    from funshard.comm import GradBucket
+    from funshard.layout import layout_of
 
     m = mesh(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -369,11 +370,10 @@ def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
 def exchange_parity(spec, shapes, seed):
     """The direct exchange (gloo's default here) == gloo's own collectives, with two
     all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
-    import os
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from funshard.collectives import all_gather, layout_of, reduce_scatter
+    from funshard.comm import all_gather, reduce_scatter
+    from funshard.layout import layout_of
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -393,18 +393,14 @@ def exchange_parity(spec, shapes, seed):
     locals_ = [v.to_local() for v in s.values()]
     grads = [make(sh, "float32", seed + 1009 * (rank + 1) + i) for i, sh in enumerate(shapes)]
     got = {}
-    try:
-        for how in ("native", "direct"):
-            os.environ["FUNSHARD_COLLECTIVES"] = how
-            with Ops() as ops, CountCollectives() as cc:
-                first = all_gather(layouts, locals_, m, async_op=True)
-                second = all_gather(layouts, locals_, m, async_op=True)
-                red = reduce_scatter(layouts, grads, m, async_op=True).wait()
-                b, a = second.wait(), first.wait()
-            got[how] = (a, b, red, ops.names, dict(cc.counts))
-    finally:
-        os.environ.pop("FUNSHARD_COLLECTIVES", None)
-    (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["native"], got["direct"]
+    for how in ("c10d", "p2p"):
+        with Ops() as ops, CountCollectives() as cc:
+            first = all_gather(layouts, locals_, m, async_op=True, transport=how)
+            second = all_gather(layouts, locals_, m, async_op=True, transport=how)
+            red = reduce_scatter(layouts, grads, m, async_op=True, transport=how).wait()
+            b, a = second.wait(), first.wait()
+        got[how] = (a, b, red, ops.names, dict(cc.counts))
+    (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["c10d"], got["p2p"]
     problems = []
     for k, full in zip(x, x.values()):
         i = list(x).index(k)

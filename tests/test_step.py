@@ -102,7 +102,7 @@ def parity(spec, model_name, opt_name, policy_kwargs, steps=3, per_rank=2, froze
                     if n in frozen_before and v is not None]
     return dict(err=err, curve=curve, ref_curve=ref_curve, norms=norms, ref_norms=ref_norms,
                 counts=counts, frozen_ok=frozen_ok, frozen_state=frozen_state,
-                groups=len(fs.step._Plan(state.params, policy).members))
+                groups=len(fs.step.ParamGroups(state.params, policy).members))
 
 
 def _ref_loss(model_name, ref):
@@ -471,11 +471,11 @@ def runs_alive(spec):
     state = step.init(fs.shard(fs.params(model), m))
     batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
     gc.collect()  # runs other tests left behind (a failing step keeps its traceback) don't count
-    before = {id(o) for o in gc.get_objects() if isinstance(o, fs.step._Run)}
+    before = {id(o) for o in gc.get_objects() if isinstance(o, fs.step.Run)}
     for _ in range(3):
         state, _ = step(state, batch)
     gc.collect()
-    return sum(isinstance(o, fs.step._Run) and id(o) not in before for o in gc.get_objects())
+    return sum(isinstance(o, fs.step.Run) and id(o) not in before for o in gc.get_objects())
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)

@@ -1,0 +1,23 @@
+"""How bytes move: bucketed all-gathers and gradient reductions over a funshard mesh, on an
+explicitly chosen transport (see :mod:`funshard.comm.base`)."""
+
+from .base import TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce, watch
+from .gather import all_gather, check_transport, choose
+from .p2p import is_direct_message
+from .reduce import GradBucket, Reducing, reduce_scatter
+
+__all__ = [
+    "TRANSPORTS",
+    "CollectiveTimeout",
+    "Gathered",
+    "GradBucket",
+    "Reducing",
+    "Transport",
+    "all_gather",
+    "announce",
+    "check_transport",
+    "choose",
+    "is_direct_message",
+    "reduce_scatter",
+    "watch",
+]

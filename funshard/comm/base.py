@@ -1,0 +1,120 @@
+"""What every transport shares: the interface, timeouts, and the marker counters count.
+
+A transport moves the bytes of one bucket: an all-gather of every rank's shards into full
+tensors, a reduce-scatter of every rank's gradients into this rank's rows. Which one a call
+uses is explicit (``transport=`` on the bucket calls, ``Policy(transport=)`` for the step):
+
+- ``"c10d"`` (:mod:`funshard.comm.c10d`): the backend's own collectives (NCCL, gloo);
+- ``"p2p"`` (:mod:`funshard.comm.p2p`): a direct exchange of point-to-point messages, for
+  gloo on CPU, where it costs a third to a half of gloo's collectives for the same bytes;
+- ``"auto"`` (the default): ``"p2p"`` on gloo CPU process groups, ``"c10d"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..layout import Layout
+from ..mesh import mesh_str
+
+TRANSPORTS = ("auto", "c10d", "p2p")
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete within the process group's timeout."""
+
+
+@contextlib.contextmanager
+def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
+    """Turn a backend's timeout into a :class:`CollectiveTimeout` that says what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        where = kind + (f" on mesh dimension {dim!r}" if dim else "") + (
+            f" of {mesh_str(mesh)}" if mesh is not None else "")
+        raise CollectiveTimeout(
+            f"funshard: {where} did not complete in time on rank {dist.get_rank()}: another "
+            "rank is stuck, died, or issued a different collective (every rank must run the "
+            "same ops on the same groups in the same order). The limit is make_mesh(timeout=...)."
+            f" Backend said: {text.strip()[:300]}"
+        ) from e
+
+
+# Every logical collective a transport runs is announced by one ``funshard::collective``
+# op, which the counters (fs.testing.CountCollectives, the benchmark) count instead of the
+# messages a direct exchange is made of.
+_LIB = torch.library.Library("funshard", "DEF")
+_LIB.define("collective(Tensor anchor, str kind, int logical, int counted) -> ()")
+_LIB.impl("collective", lambda anchor, kind, logical, counted: None, "CompositeExplicitAutograd")
+
+
+def announce(kind: str, anchor: torch.Tensor, logical: int, counted: int) -> None:
+    """One logical collective, for counters: ``logical`` bytes (all-gather output,
+    reduce-scatter input) and ``counted`` (the c10d op's first argument: for a
+    reduce-scatter, its output)."""
+    torch.ops.funshard.collective(anchor, kind, logical, counted)
+
+
+class Gathered:
+    """An in-flight bucketed all-gather; :meth:`wait` returns the full tensors.
+
+    ``work`` is what is in flight (None: done); ``finish()`` returns the padded full tensors
+    once it is (copying out of a flat buffer, for a collective).
+    """
+
+    def __init__(self, work, finish: Callable[[], list[torch.Tensor]],
+                 layouts: Sequence[Layout]):
+        self._work, self._finish, self._layouts = work, finish, layouts
+
+    def wait(self) -> list[torch.Tensor]:
+        """Finish the gather; return full tensors in ``layouts`` order (views ``[:rows]`` of
+        the padded tensors)."""
+        if self._work is not None:
+            with watch("all-gather", None):
+                self._work.wait()
+            self._work = None
+        padded, self._finish = self._finish(), None
+        return [p if p.shape[0] == lay.rows else p[: lay.rows]
+                for p, lay in zip(padded, self._layouts)]
+
+
+def new_padded(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype],
+               device: torch.device) -> list[torch.Tensor]:
+    """Fresh padded full tensors for a gather to write into."""
+    return [torch.empty(lay.padded_shape, dtype=dt, device=device)
+            for lay, dt in zip(layouts, dtypes)]
+
+
+class Transport:
+    """How one bucket's bytes move. Subclasses: :class:`funshard.comm.c10d.C10d`,
+    :class:`funshard.comm.p2p.P2P`.
+
+    ``borrows``: the transport can reduce-scatter straight from each leaf's gradient
+    (:meth:`reduce_scatter_leaves`) instead of from a flat ``(world, seg)`` input.
+    """
+
+    name = "base"
+    borrows = False
+
+    def all_gather(self, layouts, shards, dtypes, pg, into, device, async_op) -> Gathered:
+        """Start gathering ``shards`` (sharded leaves) into padded full tensors (``into()``
+        gives them, else new ones); ``pg`` is None for a world of one."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, pg):
+        """Start summing every rank's ``inp[rank]`` (``inp``: (world, seg)) into ``out``;
+        returns a work whose ``wait()`` finishes it."""
+        raise NotImplementedError
+
+    def reduce_scatter_leaves(self, out, grads, layouts, offsets, pg):
+        """:meth:`reduce_scatter` from each leaf's (rows, row_numel) gradient (None: zeros);
+        ``out`` holds each leaf's padded chunk at its offset. Only where ``borrows``."""
+        raise NotImplementedError(f"transport {self.name!r} does not reduce from leaves")

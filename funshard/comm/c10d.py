@@ -1,0 +1,52 @@
+"""The backend's own collectives (NCCL on GPUs, gloo when chosen): one flat buffer each way.
+
+The all-gather copies every local shard into this rank's segment of one flat byte buffer
+(in place: the input is the output's own segment, so no separate input lives while the
+gather is in flight), gathers it, and copies it out into the full tensors when done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..layout import byte_plan
+from .base import Gathered, Transport, new_padded
+
+
+class C10d(Transport):
+    name = "c10d"
+    borrows = False
+
+    def all_gather(self, layouts, shards, dtypes, pg, into, device, async_op) -> Gathered:
+        bp = byte_plan(layouts, dtypes)
+        world = pg.size() if pg is not None else 1
+        rank = pg.rank() if pg is not None else 0
+        out = torch.empty(world * bp.segment, dtype=torch.uint8, device=device)
+        inp = out.view(world, -1)[rank]
+        dst, src, offset = [], [], 0
+        for i, size in zip(bp.order, bp.sizes):
+            lay, n = layouts[i], layouts[i].local_rows * layouts[i].row_numel
+            if n:
+                dst.append(inp[offset : offset + n * dtypes[i].itemsize].view(dtypes[i]))
+                src.append(shards[i].reshape(-1))
+            offset += size
+        if dst:
+            torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
+        work = None
+        if world > 1:
+            work = dist.all_gather_single(out, inp, group=pg, async_op=async_op)
+
+        def finish() -> list[torch.Tensor]:
+            padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
+            if bp.order:
+                views = [padded[i].view(layouts[i].world, -1).view(torch.uint8)
+                         for i in bp.order]
+                src = out.view(layouts[bp.order[0]].world, bp.segment)[:, : bp.total]
+                torch.split_with_sizes_copy(src, bp.sizes, dim=1, out=views)
+            return padded
+
+        return Gathered(work if async_op else None, finish, layouts)
+
+    def reduce_scatter(self, out, inp, pg):
+        return dist.reduce_scatter_single(out, inp.view(-1), group=pg, async_op=True)

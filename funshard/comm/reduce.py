@@ -1,0 +1,324 @@
+"""Bucketed gradient reduction: one reduce-scatter on ``"shard"`` (and one all-reduce of
+replicated leaves) per reduce dtype, then one all-reduce on ``"replicate"`` (2-D meshes).
+
+A :class:`GradBucket` is filled one gradient at a time as autograd produces them and
+launched once; :class:`Reducing` is the reduction in flight.
+
+    >>> (g_local,) = reduce_scatter(layouts, [grad_full], mesh)     # (3, 3) on rank 0 of 3
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..layout import Layout
+from ..mesh import REPLICATE, SHARD, mesh_str, process_groups
+from .base import watch
+from .gather import choose
+
+
+def reduce_scatter(
+    layouts: Sequence[Layout],
+    grads: Sequence[torch.Tensor | None],
+    mesh: DeviceMesh,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+    op: str = "mean",
+    copy: bool = True,
+    async_op: bool = False,
+    transport: str = "auto",
+) -> list[torch.Tensor | None] | Reducing:
+    """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
+
+    Sharded leaves are reduce-scattered on ``"shard"``, replicated ones all-reduced on
+    ``"shard"``; on a 2-D mesh all results are then all-reduced once on ``"replicate"``.
+    One collective of each kind per reduce dtype. A ``None`` gradient counts as zeros
+    (every rank must take part in the collective); its leaf's result is still returned.
+
+    Args:
+        layouts: one :class:`Layout` per gradient.
+        grads: full-shape gradients, same order (they may be freed once this returns).
+        mesh: the mesh of the leaves.
+        reduce_dtype: dtype to reduce in (default: each gradient's own); results come back
+            in the leaf's dtype.
+        op: ``"mean"`` (divide by the number of mesh ranks) or ``"sum"``.
+        copy: False lets a world of one return ``grads`` themselves (no communication and
+            no copy); results may then alias the inputs.
+        async_op: return a :class:`Reducing` once the reduce-scatter is launched;
+            ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
+        transport: ``"auto"``, ``"c10d"`` or ``"p2p"`` (see :mod:`funshard.comm.base`).
+    Returns:
+        local gradient shards (``layout.local_shape``), ``layouts`` order.
+    """
+    dtypes = [reduce_dtype or (g.dtype if g is not None else lay.dtype)
+              for lay, g in zip(layouts, grads)]
+    bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy, transport=transport)
+    for k, g in enumerate(grads):
+        if g is not None:
+            bucket.put(k, g)
+    pending = bucket.launch()
+    return pending if async_op else pending.wait()
+
+
+class GradBucket:
+    """Full-size gradients of some leaves, laid out for one reduction, filled one at a time.
+
+    ``put(k, grad)`` copies (or adds) leaf ``k``'s gradient into place as soon as autograd
+    has it, so the gradient itself can be freed at once; ``launch()`` starts one
+    reduce-scatter on ``"shard"`` for the sharded leaves and one all-reduce for the
+    replicated ones, per reduce dtype. A leaf never put counts as zeros. Buffers are
+    allocated on the first ``put``.
+
+    Args:
+        layouts: one :class:`Layout` per leaf.
+        mesh: their mesh.
+        dtypes: the dtype each leaf is reduced in.
+        op: ``"mean"`` or ``"sum"`` over all mesh ranks.
+        alias: on a world of one (nothing to reduce) keep the first gradient put itself
+            instead of a copy; results may then alias it.
+        borrow: where the transport can (``"p2p"``), keep each sharded leaf's gradient
+            itself (no copy into a flat buffer) and send its rows from it; the caller must
+            not change a gradient after putting it.
+        transport: ``"auto"``, ``"c10d"`` or ``"p2p"``.
+    """
+
+    def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
+                 dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
+                 borrow: bool = False, transport: str = "auto"):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
+        self.device = torch.device(mesh.device_type)
+        self.world = mesh.size()
+        self.divide = self.world if op == "mean" else 1
+        self.alias = alias
+        if self.world == 1:  # nothing to reduce: keep each gradient as it comes
+            self.direct: list[torch.Tensor | None] = [None] * len(self.layouts)
+            return
+        shard_pg, _ = process_groups(mesh)
+        self.transport = choose(transport, shard_pg, self.device)
+        borrow = borrow and self.transport.borrows
+        self.parts: dict[torch.dtype, _Part] = {}
+        self.where: list[tuple[_Part, int]] = []
+        for lay, rdt in zip(self.layouts, self.dtypes):
+            part = (self.parts.get(rdt)
+                    or self.parts.setdefault(rdt, _Part(rdt, self.device, borrow)))
+            self.where.append((part, part.add(lay)))
+
+    def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
+        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace)."""
+        lay = self.layouts[k]
+        if tuple(grad.shape) != tuple(lay.shape):
+            raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
+                             f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
+        if self.world == 1:
+            g = grad.to(self.dtypes[k], copy=not self.alias)
+            d = self.direct[k]
+            self.direct[k] = d.add_(g) if add and d is not None else g
+            return
+        part, j = self.where[k]
+        part.put(j, grad, first=not (add and part.filled[j]))
+
+    def launch(self) -> Reducing:
+        """Start the reduction of everything put (zeros for the rest)."""
+        if self.world == 1:
+            out = [torch.zeros(lay.shape, dtype=lay.dtype, device=self.device) if g is None
+                   else g.to(lay.dtype) for lay, g in zip(self.layouts, self.direct)]
+            return Reducing([], out, self.layouts)
+        shard_pg, rep_pg = process_groups(self.mesh)
+        parts = []
+        for part in self.parts.values():
+            idx = [k for k, (p, _) in enumerate(self.where) if p is part]
+            parts.append((idx, part.launch(shard_pg, rep_pg, self.divide, self.transport)))
+        self.parts = {}
+        return Reducing(parts, None, self.layouts)
+
+
+class _Part:
+    """One reduce dtype of a :class:`GradBucket`: a (world, seg) reduce-scatter input for the
+    sharded leaves (each rank's rows of every leaf, padded as ``torch.chunk`` pads) and a flat
+    all-reduce buffer for the replicated ones."""
+
+    def __init__(self, rdt: torch.dtype, device: torch.device, borrow: bool = False):
+        self.rdt, self.device = rdt, device
+        # borrowed: each sharded leaf's (rows, row_numel) gradient itself, sent from there
+        self.kept: list[torch.Tensor | None] | None = [] if borrow else None
+        self.layouts: list[Layout] = []
+        self.offsets: list[int] = []  # in the (world, seg) rows, or in the flat buffer
+        self.seg = self.flat_numel = 0
+        self.inp = self.flat = None
+        self.filled: list[bool] = []
+
+    def add(self, lay: Layout) -> int:
+        self.layouts.append(lay)
+        self.filled.append(False)
+        if self.kept is not None:
+            self.kept.append(None)
+        if lay.sharded:
+            self.offsets.append(self.seg)
+            self.seg += lay.padded_numel
+        else:
+            self.offsets.append(self.flat_numel)
+            self.flat_numel += math.prod(lay.shape)
+        return len(self.layouts) - 1
+
+    def _region(self, j: int) -> torch.Tensor:
+        """Leaf ``j``'s place: (world, chunk, row_numel) of the input, or its flat slice."""
+        lay, off = self.layouts[j], self.offsets[j]
+        if lay.sharded:
+            if self.inp is None:
+                self.inp = torch.empty(lay.world, self.seg, dtype=self.rdt, device=self.device)
+            return self.inp[:, off : off + lay.padded_numel].view(lay.world, lay.chunk,
+                                                                  lay.row_numel)
+        if self.flat is None:
+            self.flat = torch.empty(self.flat_numel, dtype=self.rdt, device=self.device)
+        return self.flat[off : off + math.prod(lay.shape)]
+
+    def put(self, j: int, grad: torch.Tensor, first: bool) -> None:
+        lay = self.layouts[j]
+        if self.kept is not None and lay.sharded:
+            g = grad.to(self.rdt).reshape(lay.rows, lay.row_numel)
+            kept = self.kept[j]
+            self.kept[j] = g if first or kept is None else kept + g  # never in place: borrowed
+            self.filled[j] = True
+            return
+        dst = self._region(j)
+        self.filled[j] = True
+        if not lay.sharded:
+            src = grad.reshape(-1)
+            dst.copy_(src) if first else dst.add_(src)
+            return
+        if dst.numel():
+            _put_rows(dst, grad, lay, first)
+
+    def launch(self, shard_pg, rep_pg, divide, transport) -> _ReduceOne:
+        for j, lay in enumerate(self.layouts):
+            if lay.sharded and self.kept is not None:
+                continue  # a leaf never put sends zeros
+            if not self.filled[j] and (self.seg if lay.sharded else self.flat_numel):
+                self._region(j).zero_()  # never put: zeros (every rank takes part)
+        return _ReduceOne(self, shard_pg, rep_pg, divide, transport)
+
+
+def _put_rows(dst: torch.Tensor, grad: torch.Tensor, lay: Layout, first: bool) -> None:
+    """Copy (or add) a full gradient into its (world, chunk, row_numel) region, rank by
+    rank as ``torch.chunk`` splits it; padding rows reduce as zeros."""
+    rows, c = lay.rows, lay.chunk
+    src = grad.reshape(rows, lay.row_numel)
+    whole, rem = divmod(rows, c)  # ranks with a full chunk; rows of the next one
+    parts = [(dst[:whole], src[: whole * c].view(whole, c, lay.row_numel))]
+    if rem:
+        parts.append((dst[whole, :rem], src[whole * c :]))
+    for d, s in parts:
+        d.copy_(s) if first else d.add_(s)
+    if first and rows < lay.world * c:  # padding rows reduce as zeros
+        if rem:
+            dst[whole, rem:].zero_()
+        dst[whole + (1 if rem else 0) :].zero_()
+
+
+class Reducing:
+    """An in-flight bucketed gradient reduction; :meth:`wait` returns the local shards.
+
+    On a 2-D mesh it has two stages: the reduce-scatter on ``"shard"``, then the all-reduce on
+    ``"replicate"`` of its result. :meth:`advance` finishes the first and launches the second
+    without waiting for it, so a caller can overlap both with compute.
+    """
+
+    def __init__(self, parts, done, layouts):
+        self._parts, self._done, self._layouts = parts, done, layouts
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter; start the "replicate" all-reduce (if any), async."""
+        for _, part in self._parts:
+            part.advance()
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self._done is None:
+            out: list[torch.Tensor | None] = [None] * len(self._layouts)
+            for idx, part in self._parts:
+                for i, p in zip(idx, part.wait()):
+                    out[i] = p.to(self._layouts[i].dtype)
+            self._done, self._parts = out, []
+        return self._done
+
+
+class _ReduceOne:
+    """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
+
+    def __init__(self, part: _Part, shard_pg, rep_pg, divide, transport):
+        layouts, offsets, inp, flat = part.layouts, part.offsets, part.inp, part.flat
+        self.layouts, self.rep_pg, self.rdt, self.device = layouts, rep_pg, part.rdt, part.device
+        self.divide = divide
+        self.works, self.pieces = [], []
+        self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
+        kept = part.kept if part.seg else None
+        if kept is not None or (inp is not None and inp.numel()):
+            rs = self._launch_shard(part, kept, shard_pg, transport)
+            for k, lay in enumerate(layouts):
+                if lay.sharded and lay.local_rows * lay.row_numel:
+                    n = lay.local_rows * lay.row_numel
+                    self.results[k] = rs[offsets[k] : offsets[k] + n].view(lay.local_shape)
+            self.pieces.append(rs)
+        if flat is not None and flat.numel():
+            if dist.get_world_size(shard_pg) > 1:
+                with watch("all-reduce", None, SHARD):
+                    self.works.append(("all-reduce", dist.all_reduce(flat, group=shard_pg,
+                                                                     async_op=True)))
+            for k, lay in enumerate(layouts):
+                if not lay.sharded and math.prod(lay.shape):
+                    n = math.prod(lay.shape)
+                    self.results[k] = flat[offsets[k] : offsets[k] + n].view(lay.shape)
+            self.pieces.append(flat)
+
+    def _launch_shard(self, part: _Part, kept, shard_pg, transport) -> torch.Tensor:
+        """Start the reduce-scatter of the sharded leaves; return its output (seg,)."""
+        inp = part.inp
+        if kept is not None:  # borrowed gradients: a direct exchange from them
+            rs = torch.empty(part.seg, dtype=self.rdt, device=self.device)
+            with watch("reduce-scatter", None, SHARD):
+                self.works.append(("reduce-scatter", transport.reduce_scatter_leaves(
+                    rs, kept, part.layouts, part.offsets, shard_pg)))
+        elif inp.shape[0] > 1:
+            rs = torch.empty(inp.shape[1], dtype=self.rdt, device=self.device)
+            with watch("reduce-scatter", None, SHARD):
+                self.works.append(("reduce-scatter", transport.reduce_scatter(rs, inp, shard_pg)))
+        else:
+            rs = inp.view(-1)
+        return rs
+
+    def advance(self) -> None:
+        if self.works is None:  # advanced before
+            return
+        for kind, work in self.works:
+            with watch(kind, None, SHARD):
+                work.wait()
+        self.works = None
+        pieces, rep_pg = self.pieces, self.rep_pg
+        self.both = None
+        if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
+            # one all-reduce for both kinds: a concatenation, copied back when done
+            self.both = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            with watch("all-reduce", None, REPLICATE):
+                self.rep_work = dist.all_reduce(self.both, group=rep_pg, async_op=True)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.advance()
+        pieces = self.pieces
+        if self.both is not None:
+            with watch("all-reduce", None, REPLICATE):
+                self.rep_work.wait()
+            if len(pieces) > 1:
+                torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
+            self.both = self.rep_work = None
+        if self.divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
+            torch._foreach_div_(pieces, self.divide)
+        for k, lay in enumerate(self.layouts):
+            if self.results[k] is None:  # no elements
+                self.results[k] = torch.zeros(lay.local_shape, dtype=self.rdt, device=self.device)
+        return self.results

@@ -1,0 +1,36 @@
+"""The sharded training step: ``train_step(loss_fn, optimizer, policy=Policy())``.
+
+- :mod:`.api`: Policy, TrainState, TrainStep, train_step;
+- :mod:`.schedule`: the order groups are gathered, freed and reduced (pure data, shared
+  with ``fs.plan``); :mod:`.params`: a tree's leaves in communication groups;
+- :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
+- :mod:`.lazy`: the parameter stand-in; :mod:`.saved`: autograd's saved parameters;
+- :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver.
+"""
+
+from .api import Policy, TrainState, TrainStep, train_step
+from .group import ALLOWED, Group, GroupState, IllegalTransition
+from .params import ParamGroups
+from .run import Run
+from .schedule import (Schedule, default_group, group_names, kept_into_backward,
+                       make_schedule, partition, split_kept)
+
+__all__ = [
+    "ALLOWED",
+    "Group",
+    "GroupState",
+    "IllegalTransition",
+    "ParamGroups",
+    "Policy",
+    "Run",
+    "Schedule",
+    "TrainState",
+    "TrainStep",
+    "default_group",
+    "group_names",
+    "kept_into_backward",
+    "make_schedule",
+    "partition",
+    "split_kept",
+    "train_step",
+]

@@ -1,0 +1,276 @@
+"""The training-step combinator: ``train_step(loss_fn, optimizer, policy=Policy())``.
+
+``loss_fn(params, batch)`` sees every parameter with its full shape; the step gathers each
+communication group when ``loss_fn`` first touches it, frees it after use, prefetches the
+next, and reduces each group's gradients as soon as backward is done with it (see
+[Note: a group's life] in :mod:`funshard.step.group`). Then the gradient norm, clipping and
+the optimizer run on the local shards.
+
+Why this mechanism (measured in tests/test_step.py): module hooks are out by design;
+activation checkpointing would recompute the forward; a per-op DTensor redistribute issues
+one collective per tensor. The lazy stand-in gives one collective per group and direction
+and needs nothing from the model but ``torch.func.functional_call``.
+
+Caveat: a custom ``autograd.Function`` that stashes a parameter on ``ctx`` (not through
+``save_for_backward``) bypasses the hooks and would read freed storage; use
+``save_for_backward``. Every rank must use the same groups in the same order.
+
+    >>> step = train_step(loss_fn, fs.optim.adamw(lr=3e-4), policy=Policy(clip_norm=1.0))
+    >>> state = step.init(fs.shard(fs.params(model), mesh))
+    >>> state, metrics = step(state, (x, y))     # metrics["loss"], metrics["grad_norm"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+
+from .. import comm, pytree
+from ..mesh import mesh_str
+from ..reduce import first_nonfinite, local_sq_norm
+from . import lazy
+from .params import ParamGroups
+from .run import Run
+
+Tree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a step shards, casts, accumulates and clips.
+
+    Args:
+        reshard_after_forward: True frees each group after its forward use and gathers it
+            again in backward (FULL_SHARD: 2 all-gathers + 1 reduce-scatter per group; of
+            the group backward starts with, when forward used it last, the leaves backward
+            needs first stay gathered and only the rest are gathered again); False keeps
+            groups gathered until their backward (SHARD_GRAD_OP: 1 + 1).
+        param_dtype: compute dtype for floating parameters (e.g. torch.bfloat16); master
+            weights and optimizer state keep the parameters' dtype.
+        reduce_dtype: dtype gradients are reduced in (e.g. torch.float32).
+        accumulate: micro-batches per step; the batch's dim 0 is split in this many parts and
+            gradients are reduced once per step.
+        clip_norm: clip the global gradient norm (over all shards, each element once).
+        groups: communication groups. None: one per element of a numbered container
+            (``layers.0``, ``layers.1``, ...) and one for the rest. Or a callable
+            ``fqn -> group name``, or a prefix tree of group names.
+        prefetch: gather the next group asynchronously while the current one computes.
+        skip_nonfinite: when the global gradient norm is NaN or inf, skip the update on every
+            rank (they agree: the norm is all-reduced) and report ``metrics["skipped"] = 1``;
+            otherwise such a step raises ``FloatingPointError`` naming the first parameter
+            whose gradient is not finite, leaving the state unchanged.
+        transport: how buckets move: ``"auto"`` (a direct point-to-point exchange on gloo
+            CPU groups, the backend's collectives elsewhere), ``"c10d"`` or ``"p2p"`` (see
+            :mod:`funshard.comm`).
+    """
+
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    accumulate: int = 1
+    clip_norm: float | None = None
+    groups: Any = None
+    prefetch: bool = True
+    skip_nonfinite: bool = False
+    transport: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"Policy: accumulate={self.accumulate!r} must be an int >= 1")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"Policy: clip_norm={self.clip_norm!r} must be > 0 (or None)")
+        for name in ("param_dtype", "reduce_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise ValueError(f"Policy: {name}={dt!r} must be a floating torch.dtype or None")
+        comm.check_transport(self.transport, where="Policy")
+
+
+class TrainState(NamedTuple):
+    """Sharded parameters, optimizer state and the number of steps taken."""
+
+    params: Tree
+    opt_state: Tree
+    step: int
+
+
+class TrainStep(NamedTuple):
+    """``init(params) -> TrainState`` and ``apply(state, batch) -> (state, metrics)``.
+
+    Calling the object is ``apply``. Donation rule: ``apply`` updates the parameters and
+    optimizer state in place (their local shards), as JAX does with donated buffers; the
+    returned state is the one to use; do not use the old one after the call.
+    """
+
+    init: Callable[[Tree], TrainState]
+    apply: Callable[[TrainState, Any], tuple[TrainState, dict]]
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        return self.apply(state, batch)
+
+
+def _split_batch(batch: Any, k: int) -> list[Any]:
+    if k == 1:
+        return [batch]
+    paths, leaves, spec = pytree.flatten_with_path(batch)
+    parts = []
+    for p, x in zip(paths, leaves):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] % k:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"train_step: batch[{pytree.fqn(p)!r}] of shape {shape} does not split into "
+                f"accumulate={k} micro-batches along dim 0; use a batch size divisible by {k}."
+            )
+        parts.append(x.chunk(k))
+    return [pytree.unflatten(spec, [c[j] for c in parts]) for j in range(k)]
+
+
+def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
+    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+        raise ValueError(
+            f"train_step: loss_fn must return a floating scalar tensor (or (loss, aux)), got "
+            f"{what}; reduce it, e.g. with .mean()."
+        )
+    return loss, aux
+
+
+class _Grads(NamedTuple):
+    """What the micro-batches of one step produced."""
+
+    grads: list  # per leaf: its reduced gradient shard, or None
+    loss_sum: torch.Tensor
+    aux: list
+    peaks: tuple[int, int]
+
+
+def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
+                   batch: Any) -> _Grads:
+    """Forward and backward of every micro-batch; the reduced gradients of the last."""
+    micro = _split_batch(batch, policy.accumulate)
+    k = len(micro)
+    buckets: dict = {}  # gradients summed over micro-batches, per group
+    record = params.schedule is None
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    aux_all, runs = [], []
+    for j, mb in enumerate(micro):
+        run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
+                  record=record and j == 0)
+        tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
+        try:
+            with saved_tensors_hooks(run.saved.pack, run.saved.unpack):
+                loss, aux = _loss_of(loss_fn(tree, mb))
+            run.end_forward()
+            if loss.requires_grad:
+                (loss / k).backward()
+        finally:
+            run.finish()
+        loss_sum += loss.detach().double()
+        aux_all.append(aux)
+        runs.append(run)
+    grads: list = [None] * len(params.layouts)
+    for g in runs[-1].groups:
+        if g.grads is not None:
+            for k2, i in enumerate(g.idx):
+                grads[i] = g.grads[k2]
+    peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
+    for r in runs:
+        r.release()
+    return _Grads(grads, loss_sum, aux_all, peaks)
+
+
+def _metrics(params: ParamGroups, out: _Grads, shards: list, k: int) -> tuple[dict, list]:
+    """Loss (mean over ranks) and global gradient norm: one all-reduce for both."""
+    present = [i for i, g in enumerate(out.grads) if g is not None]
+    sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present])
+    both = torch.stack([out.loss_sum / k, sq]).to(shards[0].device if shards else "cpu")
+    if params.world > 1:
+        with comm.watch("all-reduce of the step's metrics", params.mesh):
+            dist.all_reduce(both)
+    both = both.cpu()
+    metrics = {
+        "loss": both[0].item() / params.world,
+        "grad_norm": both[1].clamp_min(0).sqrt().item(),
+        "unsharded_groups_peak": out.peaks[0],
+        "unsharded_bytes_peak": out.peaks[1],
+        "skipped": 0,
+    }
+    if any(a is not None for a in out.aux):
+        metrics["aux"] = out.aux[0] if k == 1 else out.aux
+    return metrics, present
+
+
+def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
+    """Compose ``loss_fn`` and ``optimizer`` into one sharded training step.
+
+    Args:
+        loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``; ``params`` has full shapes
+            (the loss is the mean over the local batch).
+        optimizer: an ``fs.optim`` optimizer (``init``, ``update``).
+        policy: :class:`Policy`.
+    Returns:
+        :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
+        (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).
+
+    Example: N ranks with batch B each match one process on the N*B batch.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
+    cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
+
+    def groups_for(params: Tree) -> ParamGroups:
+        leaves, spec = pytree.flatten(params)
+        key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
+        if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
+            cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
+        return cache[key]
+
+    def init(params: Tree) -> TrainState:
+        groups_for(params)
+        return TrainState(params, optimizer.init(params), 0)
+
+    def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        params = groups_for(state.params)
+        leaves = pytree.flatten(state.params)[0]
+        shards = [d._local_tensor.detach().requires_grad_(t)
+                  for d, t in zip(leaves, params.trainable)]
+        out = _micro_batches(loss_fn, params, shards, policy, batch)
+        metrics, present = _metrics(params, out, shards, policy.accumulate)
+        grads, norm = out.grads, metrics["grad_norm"]
+        if not math.isfinite(norm):
+            if policy.skip_nonfinite:  # every rank sees the same norm: all skip together
+                return TrainState(state.params, state.opt_state, state.step + 1), {
+                    **metrics, "skipped": 1}
+            _raise_nonfinite(params, grads, present, state.step)
+        if policy.clip_norm is not None and present:
+            coef = min(1.0, policy.clip_norm / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_([grads[i] for i in present], coef)
+        grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
+        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                                 step=state.step)
+        return TrainState(new_params, opt_state, state.step + 1), metrics
+
+    return TrainStep(init, apply)
+
+
+def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int) -> None:
+    """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
+    hits = [present[j] for j in first_nonfinite([grads[i] for i in present], params.mesh)]
+    lay = params.layouts[hits[0]] if hits else None
+    where = (f"the gradient of {lay.path!r} (shape {tuple(lay.shape)}, on "
+             f"{mesh_str(params.mesh)})" if lay else "the loss")
+    raise FloatingPointError(
+        f"train_step: {where} is not finite (NaN or inf) at step {step}"
+        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}. The parameters and "
+        "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
+        "fs.Policy(skip_nonfinite=True) to skip such steps."
+    )

@@ -1,0 +1,73 @@
+"""A step's gradient reductions: one bucket per group, summed over micro-batches, reduced
+once per step as soon as backward is done with the group.
+
+Each reduction in flight has two stages on a 2-D mesh (the reduce-scatter on ``"shard"``,
+then the all-reduce on ``"replicate"``); :meth:`Reductions.advance` finishes the first and
+launches the second, so each overlaps a later group's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+class Reductions:
+    """The buckets (shared by a step's micro-batches) and the reductions in flight."""
+
+    def __init__(self, params, policy, buckets: dict, accumulating: bool):
+        self.params, self.policy = params, policy
+        self.buckets: dict[int, comm.GradBucket] = buckets  # per group, until launched
+        self.accumulating = accumulating
+        # reductions in flight, oldest first: (group, leaf positions, comm.Reducing)
+        self.in_flight: list[tuple[object, list[int], comm.Reducing]] = []
+
+    def bucket(self, group) -> comm.GradBucket:
+        """The group's gradient bucket for this step (made on its first gradient)."""
+        b = self.buckets.get(group.gi)
+        if b is None:
+            # The previous group's reduce-scatter had this group's first node to complete:
+            # finish it now, so its input is freed before this bucket is allocated.
+            self.advance()
+            p, pos = self.params, self.params.grad_pos[group.gi]
+            # Reduce in reduce_dtype; else in the compute dtype, or when micro-batches are
+            # summed first, in the parameters' own dtype.
+            dts = [self.policy.reduce_dtype or (p.layouts[group.idx[k]].dtype
+                                                if self.accumulating
+                                                else p.dtypes[group.idx[k]])
+                   for k in pos]
+            b = self.buckets[group.gi] = comm.GradBucket(
+                [p.layouts[group.idx[k]] for k in pos], p.mesh, dts, alias=True,
+                borrow=not self.accumulating, transport=self.policy.transport)
+        return b
+
+    def put(self, group, k: int, grad: torch.Tensor) -> None:
+        """Leaf ``k``'s gradient for this micro-batch is complete: add it to the bucket."""
+        self.bucket(group).put(self.params.slot[group.gi][k], grad, add=True)
+
+    def launch(self, group) -> None:
+        """Start reducing the group's bucket (after the step's last micro-batch)."""
+        bucket = self.bucket(group)
+        del self.buckets[group.gi]
+        self.in_flight.append((group, self.params.grad_pos[group.gi], bucket.launch()))
+
+    def settle(self, keep: int = 0) -> None:
+        """Finish the reductions in flight but the newest ``keep``, whose first stage is
+        finished and second launched; each finished group keeps its gradient shards."""
+        while len(self.in_flight) > keep:
+            group, pos, pending = self.in_flight.pop(0)
+            group.grads = [None] * len(group.idx)
+            for k, g in zip(pos, pending.wait()):
+                group.grads[k] = g
+        self.advance()
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter of every reduction in flight (freeing its input) and
+        launch its "replicate" all-reduce, if any."""
+        for _, _, pending in self.in_flight:
+            pending.advance()
+
+    def release(self) -> None:
+        self.in_flight = []
+        self.buckets = {}

@@ -1,0 +1,277 @@
+"""One communication group inside one micro-batch: its state, its storages, its moves.
+
+[Note: a group's life]
+
+Inside ``train_step`` every parameter ``loss_fn`` sees is a stand-in (:mod:`.lazy`); the
+first op that touches one gathers its whole group with one all-gather, and autograd's
+saved copies of gathered parameters are tracked by the saved-tensor hooks (:mod:`.saved`).
+A group's full tensors own their storages; freeing a group resizes those storages to 0
+bytes, so the tensors autograd saved stay valid objects and are filled again, in place,
+when backward needs them. One group's life in a FULL_SHARD step::
+
+    forward                               backward
+    SHARDED -> GATHERING -> GATHERED -> SHARDED ... GATHERING -> GATHERED -> SHARDED
+               (prefetch:  (first op  (the next      (prefetch   (its nodes  (its last
+                previous    uses it)   group's op)    once half   unpack it;  node ran:
+                group's op)                           the group   each leaf   reduce-
+                                                      before is   dropped     scatter)
+                                                      consumed)   after its
+                                                                  last use)
+
+- The group backward starts with (the last block, :attr:`Schedule.kept`) stays
+  GATHERED from forward into backward, except the leaves its first nodes do not need
+  (``kept_late``): those are freed when forward ends (GATHERED -> PARTIAL) and gathered
+  again once the rest are used (PARTIAL -> PARTIAL_GATHERING -> GATHERED).
+- SHARD_GRAD_OP (``reshard_after_forward=False``) skips the middle: a group is gathered
+  once and freed at the end of its backward.
+- A world of one with no cast has nothing to gather: the shards are the full tensors
+  (ALIASED), never freed.
+- Each trainable leaf's gradient reaches the group's reduce bucket through one autograd
+  node (:mod:`.grads`); when backward is done with the group its bucket is reduce-scattered
+  (one collective), finished before backward gathers the next group.
+
+Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
+-> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
+by hand (``Run.release``) once the gradients are taken.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .. import comm
+from .params import ParamGroups
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # no full storage: never gathered in this micro-batch, or freed
+    GATHERING = "gathering"  # an all-gather in flight (a prefetch)
+    GATHERED = "gathered"  # full tensors usable
+    PARTIAL = "partial"  # gathered but some leaves freed, to be gathered again on use
+    PARTIAL_GATHERING = "partial-gathering"  # PARTIAL with those leaves' gather in flight
+    ALIASED = "aliased"  # a world of one with no cast: the shards are the full tensors
+
+
+S = GroupState
+ALLOWED: dict[GroupState, frozenset[GroupState]] = {
+    S.SHARDED: frozenset({S.GATHERING, S.GATHERED, S.ALIASED}),
+    S.GATHERING: frozenset({S.GATHERED, S.SHARDED}),
+    S.GATHERED: frozenset({S.PARTIAL, S.SHARDED}),
+    S.PARTIAL: frozenset({S.PARTIAL_GATHERING, S.GATHERED, S.SHARDED}),
+    S.PARTIAL_GATHERING: frozenset({S.GATHERED, S.SHARDED}),
+    S.ALIASED: frozenset(),
+}
+RESIDENT = frozenset({S.GATHERED, S.PARTIAL, S.PARTIAL_GATHERING, S.ALIASED})
+
+
+class IllegalTransition(RuntimeError):
+    """A group was asked to move between two states that do not follow: a funshard bug."""
+
+
+class Group:
+    """Group ``gi`` in one micro-batch: its gathered tensors and where they stand.
+
+    ``storage`` maps the data pointer of every gathered storage to ``(group, leaf)``, for
+    the saved-tensor hooks; the group keeps it current as it gathers and frees.
+    """
+
+    def __init__(self, gi: int, params: ParamGroups, shards: list[torch.Tensor],
+                 storage: dict, transport: str):
+        self.gi, self.params, self.shards, self.storage = gi, params, shards, storage
+        self.transport = transport
+        self.idx = params.members[gi]
+        lays = params.layouts
+        self.sharded = [k for k, i in enumerate(self.idx) if lays[i].sharded]
+        self.replicated = [k for k, i in enumerate(self.idx) if not lays[i].sharded]
+        self.state = S.SHARDED
+        self.bases: list[torch.Tensor | None] | None = None  # padded full tensors
+        self.fulls: list[torch.Tensor | None] | None = None  # what loss_fn computes with
+        self.pending: comm.Gathered | None = None  # the gather in flight
+        self.grads: list[torch.Tensor | None] | None = None  # reduced gradient shards
+        self.saved = [0] * len(self.idx)  # per leaf: autograd's saved copies not unpacked
+        self.held = 0  # bytes of gathered storages this group holds
+        self.handed_on = False  # backward has prefetched the group after this one
+        self.versions = None  # autograd version counters to restore after a refill
+        self.owed: list[int] = []  # leaves freed while PARTIAL, gathered again on use
+
+    @property
+    def name(self) -> str:
+        return self.params.names[self.gi]
+
+    @property
+    def resident(self) -> bool:
+        return self.state in RESIDENT
+
+    def move(self, to: GroupState) -> None:
+        """The one place a group's state changes; an illegal move is a bug report."""
+        if to not in ALLOWED[self.state]:
+            raise IllegalTransition(
+                f"funshard bug: group {self.name!r} cannot go from {self.state.name} to "
+                f"{to.name} (allowed: {sorted(s.name for s in ALLOWED[self.state])}). "
+                "Please report it with the model and Policy."
+            )
+        self.state = to
+
+    # gathering ---------------------------------------------------------------------
+
+    def launch(self, async_op: bool, leaves: list[int] | None = None) -> comm.Gathered:
+        """Start gathering the sharded ``leaves`` (default: all of them)."""
+        leaves = self.sharded if leaves is None else leaves
+        p, idx = self.params, self.idx
+        # gathered before in this micro-batch: fill the same storages (autograd saved them)
+        into = None if self.bases is None else (lambda: self._refill(leaves))
+        return comm.all_gather([p.layouts[idx[k]] for k in leaves],
+                               [self.shards[idx[k]] for k in leaves], p.mesh,
+                               dtypes=[p.dtypes[idx[k]] for k in leaves],
+                               async_op=async_op, into=into, transport=self.transport)
+
+    def prefetch(self) -> None:
+        """SHARDED -> GATHERING: start the whole group's gather."""
+        self.pending = self.launch(async_op=True)
+        self.move(S.GATHERING)
+
+    def prefetch_owed(self) -> None:
+        """PARTIAL -> PARTIAL_GATHERING: start gathering the leaves it owes."""
+        self.pending = self.launch(async_op=True, leaves=self.owed)
+        self.move(S.PARTIAL_GATHERING)
+
+    def _refill(self, leaves: list[int]) -> list[torch.Tensor]:
+        """The padded full tensors of ``leaves``, grown back to full size (or new, for a
+        leaf backward dropped), for a gather to write into."""
+        p, outs = self.params, []
+        for k in leaves:
+            b = self.bases[k]
+            if b is None:  # dropped in backward (see drop): a fresh storage
+                i = self.idx[k]
+                lay = p.layouts[i]
+                b = self.bases[k] = torch.empty(lay.padded_shape, dtype=p.dtypes[i],
+                                                device=self.shards[i].device)
+                self.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
+            b.untyped_storage().resize_(b.numel() * b.element_size())
+            outs.append(b)
+        # Autograd saved these tensors; refilling them is not a mutation it must see: their
+        # version counters are put back once the gather is done (see _refilled).
+        self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(outs))
+        return outs
+
+    def _refilled(self) -> None:
+        if self.versions is not None:
+            self.versions.__exit__(None, None, None)
+            self.versions = None
+
+    def gather(self) -> tuple[torch.Tensor, ...]:
+        """SHARDED | GATHERING -> GATHERED (or ALIASED): the group's full tensors."""
+        p = self.params
+        if p.world == 1 and all(p.dtypes[i] == self.shards[i].dtype for i in self.idx):
+            # a world of one with no cast: the shards are the full tensors; nothing to gather
+            self.fulls = [self.shards[i].view_as(self.shards[i]) for i in self.idx]
+            self.bases = list(self.fulls)
+            self.move(S.ALIASED)
+            return tuple(self.fulls)
+        pending = self.pending or self.launch(async_op=False)
+        self.pending = None
+        got = pending.wait()
+        if self.bases is None:  # first gather in this micro-batch: fresh tensors
+            self._adopt(got)
+        else:
+            self._refilled()
+        self.held = 0
+        self._hold(self.sharded)
+        self.handed_on, self.owed = False, []
+        self.move(S.GATHERED)
+        return tuple(self.fulls)
+
+    def _adopt(self, got: list[torch.Tensor]) -> None:
+        """Take a first gather's tensors (and cast copies of the replicated leaves)."""
+        bases: list = [None] * len(self.idx)
+        fulls: list = [None] * len(self.idx)
+        for k, t in zip(self.sharded, got):
+            fulls[k] = t
+            bases[k] = t._base if t._base is not None else t
+        for k in self.replicated:
+            i = self.idx[k]
+            fulls[k] = bases[k] = self.shards[i].detach().to(self.params.dtypes[i], copy=True)
+        self.bases, self.fulls = bases, fulls
+
+    def _hold(self, leaves: list[int]) -> None:
+        """``leaves`` are gathered: count their bytes, map their storages for the hooks."""
+        for k in leaves:
+            st = self.bases[k].untyped_storage()
+            self.held += st.nbytes()
+            if st.data_ptr():
+                self.storage[st.data_ptr()] = (self, k)
+
+    def gather_owed(self) -> None:
+        """PARTIAL | PARTIAL_GATHERING -> GATHERED: gather the leaves it owes."""
+        pending = self.pending or self.launch(async_op=False, leaves=self.owed)
+        self.pending = None
+        pending.wait()
+        self._refilled()
+        self._hold(self.owed)
+        self.owed = []
+        self.move(S.GATHERED)
+
+    def finish_gather(self) -> None:
+        """Finish a gather still in flight (it writes into the group's storages): its
+        tensors are then full (GATHERED), or, for a first gather nobody used, dropped."""
+        if self.pending is None:
+            return
+        self.pending.wait()
+        self._refilled()
+        self.pending = None
+        self.owed = []
+        self.move(S.GATHERED if self.bases is not None else S.SHARDED)
+
+    # freeing -----------------------------------------------------------------------
+
+    def free_leaves(self, leaves: list[int]) -> None:
+        """Free ``leaves`` of a GATHERED group; it gathers them again (PARTIAL) when
+        backward unpacks one."""
+        for k in leaves:
+            b = self.bases[k]
+            if b is None:
+                continue
+            st = b.untyped_storage()
+            self.storage.pop(st.data_ptr(), None)
+            self.held -= st.nbytes()
+            st.resize_(0)
+            if self.saved[k]:  # autograd will want it back
+                self.owed.append(k)
+        if self.owed:
+            self.move(S.PARTIAL)
+
+    def free(self) -> None:
+        """Resident -> SHARDED: every gathered storage resized to 0 bytes. A gather still
+        in flight into a group that is not resident is left to finish; ALIASED stays."""
+        if self.state in (S.SHARDED, S.GATHERING, S.ALIASED):
+            return
+        if self.state is S.PARTIAL_GATHERING:  # owed leaves on their way into its storages
+            self.finish_gather()
+        for k in self.sharded:
+            if self.bases[k] is not None:
+                st = self.bases[k].untyped_storage()
+                self.storage.pop(st.data_ptr(), None)
+                st.resize_(0)
+        self.held, self.owed = 0, []
+        self.move(S.SHARDED)
+
+    def drop(self, k: int) -> None:
+        """Backward has unpacked every saved copy of leaf ``k``: let go of it.
+
+        Its storage is not resized (the node unpacking it is still computing with it): the
+        group drops its own references, so the storage is freed with autograd's last one,
+        when that node's saved tensors are released. A stray later unpack still holds it.
+        """
+        b = self.bases[k]
+        if b is None or self.state is S.ALIASED:
+            return
+        self.storage.pop(b.untyped_storage().data_ptr(), None)
+        self.held -= b.untyped_storage().nbytes()
+        self.bases[k] = self.fulls[k] = None
+
+    def release(self) -> None:
+        """Drop every tensor (see [Note: a group's life] on the autograd cycle)."""
+        self.fulls = self.bases = self.grads = self.pending = None
+        self.shards = []

@@ -1,0 +1,56 @@
+"""What a step knows of one tree structure: its leaves in communication groups.
+
+Built once per tree structure and mesh (like a jit cache entry); the :class:`Schedule` is
+added after the first step has shown the order the groups are used in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import pytree
+from ..layout import compute_dtype, describe
+from ..mesh import mesh_str
+from ..reduce import norm_weights
+from .schedule import Schedule, group_names, partition
+
+
+class ParamGroups:
+    """One tree's leaves partitioned into communication groups, with layouts and dtypes.
+
+    ``members[g]``: leaf indices of group ``g``; ``group_of[i]`` / ``pos[i]``: leaf ``i``'s
+    group and its position in it; ``grad_pos[g]``: positions of ``g``'s trainable leaves
+    (whose gradients are reduced) and ``slot[g][k]`` the index of position ``k`` among them.
+    """
+
+    def __init__(self, params: Any, policy):
+        mesh, paths, leaves, layouts, spec = describe(params, what="train_step")
+        self.mesh, self.spec, self.layouts = mesh, spec, layouts
+        names = [pytree.fqn(p) for p in paths]
+        self.names, self.members = partition(group_names(names, policy.groups, params))
+        self.group_of = [0] * len(leaves)
+        self.pos = [0] * len(leaves)  # index within its group
+        for gi, idx in enumerate(self.members):
+            for k, i in enumerate(idx):
+                self.group_of[i], self.pos[i] = gi, k
+        self.trainable = [bool(leaf.requires_grad) for leaf in leaves]
+        self.grad_pos = [[k for k, i in enumerate(idx) if self.trainable[i]]
+                         for idx in self.members]
+        self.slot = [{k: j for j, k in enumerate(pos)} for pos in self.grad_pos]
+        self.dtypes = [compute_dtype(leaf.dtype, policy.param_dtype) for leaf in leaves]
+        self.world = mesh.size()
+        self.norm_weight = norm_weights(layouts, mesh)
+        self.group_bytes = [sum(self.leaf_bytes(i) for i in idx if layouts[i].sharded)
+                            for idx in self.members]
+        self.schedule: Schedule | None = None  # learned on the first step
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"train_step: the mesh {mesh_str(mesh)} has {mesh.size()} ranks but "
+                f"the world has {dist.get_world_size()}; build it with fs.make_mesh()."
+            )
+
+    def leaf_bytes(self, i: int) -> int:
+        """Full (padded) bytes of leaf ``i`` in its compute dtype."""
+        return self.layouts[i].full_bytes(self.dtypes[i])

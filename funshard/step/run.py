@@ -1,0 +1,180 @@
+"""One micro-batch's forward and backward: which groups are resident, and when they move.
+
+The run follows the step's :class:`Schedule` (once learned): it prefetches the next group
+in forward's order, keeps the schedule's group into backward, prefetches in backward once
+the group before is half consumed, and hands each group's gradients to its reduction when
+backward is done with it. Group states change only through :class:`Group`'s methods.
+"""
+
+from __future__ import annotations
+
+from . import lazy
+from .grads import Reductions
+from .group import Group, S
+from .params import ParamGroups
+from .saved import SavedParams
+from .schedule import make_schedule
+
+
+class Run:
+    """State of one micro-batch: its groups, the order it met them, its reductions."""
+
+    def __init__(self, params: ParamGroups, shards: list, policy, buckets: dict,
+                 accumulating: bool, sync: bool, record: bool):
+        self.params, self.shards, self.policy = params, shards, policy
+        self.sync, self.record = sync, record
+        self.tapped = params.world > 1  # gradients reach the buckets through lazy.Tap
+        self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
+        self.groups = [Group(gi, params, shards, self.storage, policy.transport)
+                       for gi in range(len(params.members))]
+        self.grads = Reductions(params, policy, buckets, accumulating)
+        self.saved = SavedParams(self)
+        self.active: list[int] = []  # groups the latest op (or autograd node) uses
+        self.backward = False
+        self.seen: dict[bool, list[int]] = {False: [], True: []}  # gathered, per phase
+        self.in_order = {False: True, True: True}  # seen so far == the schedule's order
+        self.peak_groups = 0  # most groups gathered or in flight at once
+        self.peak_bytes = 0  # their full-size bytes
+
+    @property
+    def kept(self) -> int | None:
+        s = self.params.schedule
+        return s.kept if s is not None else None
+
+    def order(self, backward: bool) -> tuple[int, ...] | None:
+        s = self.params.schedule
+        return None if s is None else (s.backward if backward else s.forward)
+
+    def gather(self, group: Group) -> tuple:
+        fulls = group.gather()
+        if group.state is not S.ALIASED:
+            self.note_peak()
+        return fulls
+
+    def note_peak(self) -> None:
+        live = [g for g in self.groups if g.resident or g.pending is not None]
+        self.peak_groups = max(self.peak_groups, len(live))
+        nbytes = sum(g.held if g.resident else self.params.group_bytes[g.gi] for g in live)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def use(self, gis: list[int], *, new_op: bool) -> None:
+        """Make the groups one op needs resident; free the previous op's other groups.
+
+        ``new_op``: this call starts a new op (forward: every torch function; backward: a
+        new autograd node). Groups the same op needs are never freed under it.
+        """
+        if new_op:
+            stale = [g for g in self.active if g not in gis]
+            self.active = list(dict.fromkeys(gis))
+            if self.backward or self.policy.reshard_after_forward:
+                for g in stale:
+                    if self.backward or g != self.kept:
+                        self.groups[g].free()
+        else:
+            self.active.extend(g for g in gis if g not in self.active)
+        for gi in dict.fromkeys(gis):
+            group = self.groups[gi]
+            if group.resident:
+                continue
+            self._note_seen(gi)
+            if group.fulls is None:  # first use in this micro-batch: enters autograd here
+                lazy.enter(self, group)
+            else:
+                if self.backward:
+                    # The group backward reaches next: the previous group's reduce-scatter
+                    # (launched as its backward ended) is finished first, so its input is
+                    # not alive under this group's first node, where memory peaks.
+                    self.grads.advance()
+                self.gather(group)
+            if not self.backward:  # the next group's gather overlaps this group's forward
+                self._prefetch()
+
+    def _note_seen(self, gi: int) -> None:
+        seen, order = self.seen[self.backward], self.order(self.backward)
+        seen.append(gi)
+        if not order or len(seen) > len(order) or order[len(seen) - 1] != gi:
+            self.in_order[self.backward] = False  # diverged from the schedule
+
+    def _prefetch(self) -> None:
+        """Start gathering the group the schedule has next, if this run follows it."""
+        if (not self.policy.prefetch or self.params.world == 1
+                or not self.in_order[self.backward]):
+            return
+        order, seen = self.order(self.backward), self.seen[self.backward]
+        if not order or len(seen) >= len(order):
+            return
+        g = self.groups[order[len(seen)]]
+        if g.state is S.SHARDED and (not self.backward or g.fulls is not None):
+            g.prefetch()
+            self.note_peak()
+
+    def hand_on(self, group: Group) -> None:
+        """Backward is mostly done with ``group``: prefetch the leaves it owes, else the
+        group the schedule has next, if ``group`` is the one before it there."""
+        if group.owed:
+            if group.state is S.PARTIAL and self.policy.prefetch:
+                group.prefetch_owed()
+            return
+        if group.handed_on:
+            return
+        group.handed_on = True
+        s, j = self.params.schedule, len(self.seen[True])
+        if s is not None and j < len(s.backward):
+            before = s.before_backward(j)
+            if before is None or before == group.gi:
+                self._prefetch()
+
+    def backward_done(self, group: Group, grads: tuple) -> None:
+        """Backward is done with ``group``: reduce its gradients (after the last micro-batch)."""
+        # Free the group's parameters and move the previous group's reduction on (it had this
+        # group's whole backward to complete): its reduce-scatter is finished (freeing its
+        # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
+        # after the next group's backward. So each stage overlaps a group's backward.
+        group.free()
+        self.grads.settle(keep=1)
+        self.hand_on(group)  # if unpacking did not already
+        pos = self.params.grad_pos[group.gi]
+        if not self.tapped:
+            for k in pos:
+                if grads[k] is not None:
+                    self.grads.put(group, k, grads[k])
+        if self.sync and pos:
+            self.grads.launch(group)
+
+    def end_forward(self) -> None:
+        self.backward = True
+        if not self.policy.reshard_after_forward:
+            return
+        kept = self.kept  # keep only the group backward starts with
+        for g in self.groups:
+            if g.gi not in self.active and g.gi != kept:
+                g.free()
+        late = self.params.schedule.kept_late if kept is not None else ()
+        if late and self.groups[kept].state is S.GATHERED:
+            self.groups[kept].free_leaves(list(late))
+
+    def finish(self) -> None:
+        self.grads.settle()
+        self.saved.deferred = None
+        for g in self.groups:
+            g.finish_gather()  # a prefetch nobody used
+            g.free()
+        if self.record:
+            p = self.params
+
+            def kept_leaves(g: int):
+                return (self.groups[g].sharded, self.saved.first_unpack.get(g, []),
+                        [p.leaf_bytes(i) for i in p.members[g]])
+
+            p.schedule = make_schedule(self.seen[False], self.seen[True],
+                                       reshard_after_forward=self.policy.reshard_after_forward,
+                                       kept_leaves=kept_leaves)
+
+    def release(self) -> None:
+        """Drop every tensor this run holds (see [Note: a group's life])."""
+        for g in self.groups:
+            g.release()
+        self.storage.clear()
+        self.grads.release()
+        self.saved.release()
+        self.shards = []
