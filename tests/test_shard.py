@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funshard as fs
 from funshard.testing import TEST_DTYPES, CountCollectives, capture, make_tensor, mesh
@@ -367,23 +368,22 @@ def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
         assert "DeviceMesh(" in bad[1], bad
 
 
-def exchange_parity(spec, shapes, seed):
-    """The direct exchange (gloo's default here) == gloo's own collectives, with two
-    all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class Ops(TorchDispatchMode):
+    """The c10d ops run while active, in order (``names``)."""
 
-    from funshard.comm import all_gather, reduce_scatter
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def bucket_inputs(spec, shapes, seed):
+    """Full tensors, their layouts and local shards on the mesh, and this rank's gradients."""
     from funshard.layout import layout_of
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                self.names.add(func._opname)
-            return func(*args, **(kwargs or {}))
 
     m = mesh(spec)
     rank = dist.get_rank()
@@ -392,6 +392,15 @@ def exchange_parity(spec, shapes, seed):
     layouts = [layout_of(k, v) for k, v in s.items()]
     locals_ = [v.to_local() for v in s.values()]
     grads = [make(sh, "float32", seed + 1009 * (rank + 1) + i) for i, sh in enumerate(shapes)]
+    return m, x, layouts, locals_, grads
+
+
+def exchange_parity(spec, shapes, seed):
+    """The direct exchange (gloo's default here) == gloo's own collectives, with two
+    all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
+    from funshard.comm import all_gather, reduce_scatter
+
+    m, x, layouts, locals_, grads = bucket_inputs(spec, shapes, seed)
     got = {}
     for how in ("c10d", "p2p"):
         with Ops() as ops, CountCollectives() as cc:
@@ -399,7 +408,7 @@ def exchange_parity(spec, shapes, seed):
             second = all_gather(layouts, locals_, m, async_op=True, transport=how)
             red = reduce_scatter(layouts, grads, m, async_op=True, transport=how).wait()
             b, a = second.wait(), first.wait()
-        got[how] = (a, b, red, ops.names, dict(cc.counts))
+        got[how] = (a, b, red, set(ops.names), dict(cc.counts))
     (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["c10d"], got["p2p"]
     problems = []
     for k, full in zip(x, x.values()):
@@ -429,3 +438,39 @@ def test_direct_exchange_is_the_collective(pools, spec, shapes, seed):
             assert {"send", "recv_"} <= dops, dops
         # counters see one collective per exchange, as they see gloo's own
         assert dcounts == ncounts, (dcounts, ncounts)
+
+
+def flat_api_parity(spec, shapes, seed):
+    """The c10d transport on this torch's newest flat API == on the oldest supported one
+    (all_gather_into_tensor / reduce_scatter_tensor): same tensors, same c10d ops, counts."""
+    from funshard.comm import all_gather, c10d, gather, reduce_scatter
+
+    m, x, layouts, locals_, grads = bucket_inputs(spec, shapes, seed)
+    got, default = {}, gather._IMPLS["c10d"]
+    try:
+        for name, api in (("newest", c10d.API), ("legacy", c10d.LEGACY)):
+            gather._IMPLS["c10d"] = c10d.C10d(api)
+            with Ops() as ops, CountCollectives() as cc:
+                full = all_gather(layouts, locals_, m, async_op=True, transport="c10d").wait()
+                red = reduce_scatter(layouts, grads, m, transport="c10d")
+            got[name] = (full, red, ops.names, dict(cc.counts))
+    finally:
+        gather._IMPLS["c10d"] = default
+    (nf, nr, nops, nc), (lf, lr, lops, lc) = got["newest"], got["legacy"]
+    same = all(torch.equal(a, b) for a, b in zip(nf, lf)) and all(
+        torch.equal(a, b) for a, b in zip(nr, lr))
+    exact = all(torch.equal(a, b) for a, b in zip(lf, x.values()))
+    return same, exact, nops == lops, nc == lc, c10d.API.name
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+@given(shapes=st.lists(st.lists(SIZES, min_size=1, max_size=3).map(tuple), min_size=1,
+                       max_size=3), seed=st.integers(0, 2**16))
+@settings(max_examples=10)
+def test_flat_api_fallback_is_the_same(pools, spec, shapes, seed):
+    for rank, (same, exact, ops, counts, api) in enumerate(
+            pools.run(spec, flat_api_parity, shapes, seed)):
+        assert same and exact and ops and counts, (rank, same, exact, ops, counts)
+        want = "all_gather_single" if hasattr(dist, "all_gather_single") else \
+            "all_gather_into_tensor"
+        assert api == want

@@ -3,9 +3,16 @@
 The all-gather copies every local shard into this rank's segment of one flat byte buffer
 (in place: the input is the output's own segment, so no separate input lives while the
 gather is in flight), gathers it, and copies it out into the full tensors when done.
+
+Which c10d calls move the flat buffers is chosen here, once, by feature detection: torch
+2.13 has ``all_gather_single`` / ``reduce_scatter_single``; older releases (2.11, 2.12)
+have ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, with the same semantics, the
+same c10d ops underneath and the same buffers (no extra copy either way).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,9 +21,28 @@ from ..layout import byte_plan
 from .base import Gathered, Transport, new_padded
 
 
+class FlatApi(NamedTuple):
+    """The c10d calls for one flat all-gather and reduce-scatter (same signatures)."""
+
+    name: str
+    all_gather: Callable  # (output, input, group=, async_op=)
+    reduce_scatter: Callable  # (output, input, group=, async_op=), sum
+
+
+LEGACY = FlatApi("all_gather_into_tensor", dist.all_gather_into_tensor,
+                 dist.reduce_scatter_tensor)
+NEWEST = (FlatApi("all_gather_single", dist.all_gather_single, dist.reduce_scatter_single)
+          if hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
+          else None)
+API = NEWEST or LEGACY  # the newest this torch has
+
+
 class C10d(Transport):
     name = "c10d"
     borrows = False
+
+    def __init__(self, api: FlatApi = API):
+        self.api = api
 
     def all_gather(self, layouts, shards, dtypes, pg, into, device, async_op) -> Gathered:
         bp = byte_plan(layouts, dtypes)
@@ -35,7 +61,7 @@ class C10d(Transport):
             torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
         work = None
         if world > 1:
-            work = dist.all_gather_single(out, inp, group=pg, async_op=async_op)
+            work = self.api.all_gather(out, inp, group=pg, async_op=async_op)
 
         def finish() -> list[torch.Tensor]:
             padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
@@ -49,4 +75,4 @@ class C10d(Transport):
         return Gathered(work if async_op else None, finish, layouts)
 
     def reduce_scatter(self, out, inp, pg):
-        return dist.reduce_scatter_single(out, inp.view(-1), group=pg, async_op=True)
+        return self.api.reduce_scatter(out, inp.view(-1), group=pg, async_op=True)
