@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from . import comm, pytree
 from .layout import (Layout, as_dtensor, compute_dtype, describe, local_slice,
@@ -78,13 +80,21 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
             local = local_slice(t.detach(), lay).to(device, copy=True)
             local = local.contiguous()
         d = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=t.shape, stride=_contiguous(t.shape)
+            local, mesh, placements, run_check=False, shape=t.shape,
+            stride=_global_stride(t.shape, local, mesh, placements),
         )
         out.append(d.requires_grad_(t.requires_grad) if t.requires_grad else d)
     return pytree.unflatten(tspec, out)
 
 
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,
+                   placements) -> tuple[int, ...]:
+    """The global stride of a new DTensor: contiguous, as torch gives a full tensor. A leaf
+    with no elements takes the stride DTensor itself derives from its (contiguous) local
+    shard instead: torch 2.11's gradient accumulation re-creates a gradient whose stride
+    differs from its leaf's, as Replicate(), so the leaf's gradient would lose Shard(0)."""
+    if not math.prod(shape):
+        return tuple(compute_global_tensor_info(local, mesh, placements)[1])
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

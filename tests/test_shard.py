@@ -474,3 +474,14 @@ def test_flat_api_fallback_is_the_same(pools, spec, shapes, seed):
         want = "all_gather_single" if hasattr(dist, "all_gather_single") else \
             "all_gather_into_tensor"
         assert api == want
+
+
+@pytest.mark.parametrize("spec", [2, 3, "2x2"], ids=str)
+def test_zero_size_leaf_gradient_keeps_placement(pools, spec):
+    """A leaf with a dimension of 0 (uneven: some ranks hold no rows) gets a Shard(0)
+    gradient through unshard on every supported torch (2.11 re-placed it as Replicate)."""
+    shapes = [(1, 0), (3, 0), (1, 0, 2), (0, 3), (0,), (2, 3)]
+    for rank, (vs_reduce, vs_mean, placements_ok, _) in enumerate(
+            pools.run(spec, grad_parity, shapes, 7, None)):
+        assert placements_ok, f"rank {rank}"
+        assert vs_reduce == 0.0 and vs_mean < 1e-5
