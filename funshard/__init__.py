@@ -7,7 +7,7 @@
 """
 
 from . import checkpoint, collectives, optim, pytree
-from .checkpoint import load_state_dict, state_dict
+from .state_dict import load_state_dict, state_dict
 from .collectives import reduce_grads
 from .pytree import params
 from .shard import make_mesh, reshard, shard, unshard

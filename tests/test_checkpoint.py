@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import funshard as fs
 from funshard.testing import make_tensor
 from funshard import checkpoint as ck
+from funshard.state_dict import _flat, _groups
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
 from conftest import MESHES
@@ -72,9 +73,9 @@ def roundtrip(spec, leaves, seed):
     rank = dist.get_rank()
     ref = {k: v.full_tensor() if isinstance(v, DTensor) else v
            for k, v in ck.state_dict(state, "sharded").items()}
-    ks, vs, _ = ck._flat(state)  # expected all-gathers: groups holding a non-empty shard
+    ks, vs, _ = _flat(state)  # expected all-gathers: groups holding a non-empty shard
     gathers = sum(any(isinstance(vs[i], DTensor) and _gathered(ks[i], vs[i]) for i in idx)
-                  for idx in ck._groups(ks, vs))
+                  for idx in _groups(ks, vs))
     out = {}
     for kind, kw, lkw in [("sharded", {}, {}), ("local", {}, {}), ("full", {}, {}),
                           ("full", {"rank0_only": True, "cpu_offload": True},
