@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import funshard as fs
 from funshard.testing import make_tensor
 from funshard import checkpoint as ck
+from funshard.checkpoint.atomic import _leftovers, _marker
 from funshard.state_dict import _flat, _groups
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
@@ -365,8 +366,8 @@ def verify_after_kill(spec, path, steps):
     got = ck.state_dict(ck.load(path, like=kill_state(m, 0)), "full")
     match = [s for s in steps if same(ck.state_dict(kill_state(m, s), "full"), got) == []]
     refused = []
-    for kind, d in ck._leftovers(path):
-        if ck._marker(d) is None:
+    for kind, d in _leftovers(path):
+        if _marker(d) is None:
             try:
                 ck.load(d, like=kill_state(m, 0))
                 refused.append(False)
