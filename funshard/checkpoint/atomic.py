@@ -97,6 +97,15 @@ def _recover(path: str) -> None:
                              f"{sorted(foreign)[:5]}); remove it or save to another path")
 
 
+def _write_marker(tmp: str, marker: dict) -> None:
+    """Write the finished ``tmp``'s marker durably (the file and the directory fsync-ed)."""
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
 def _commit(tmp: str, path: str, token: str) -> None:
     """Rename the finished ``tmp`` to ``path``; an old checkpoint goes aside, then away."""
     parent = os.path.dirname(path) or "."

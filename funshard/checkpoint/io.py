@@ -8,7 +8,6 @@ checks the marker and the files before reading anything and reshards to ``like``
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -26,10 +25,11 @@ from torch.distributed.tensor import DTensor
 from .. import collectives, pytree
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _world
 from ..state_dict import Tree, _describe_value, _dtype_name, _flat, _like, state_dict
-from .atomic import (FORMAT, MARKER, _check_files, _commit, _crc32, _fsync_dir, _marker,
-                     _recover, _resolve)
+from .atomic import (FORMAT, MARKER, _check_files, _commit, _crc32, _marker, _recover,
+                     _resolve, _write_marker)
 from .dirs import prune
 from .errors import CheckpointError, _first_error
+
 
 # -- save --------------------------------------------------------------------------------------
 
@@ -77,12 +77,26 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"save: keep={keep!r} must be an int >= 1 (or None)")
     sd = state_dict(state, kind="sharded")
+    info = _info(sd)
+    token = _make_tmp(path)
+    if not async_save:
+        _write(sd, path, token, info, keep=keep, pg=None)
+        return path
+    return _write_async(sd, path, token, info, keep=keep)
+
+
+def _info(sd: dict[str, Any]) -> dict:
+    """What the marker says of ``sd`` (keys, mesh, step); a value no checkpoint holds raises."""
     for k, v in sd.items():
         if not isinstance(v, (torch.Tensor, int, float, bool, str, type(None))):
             raise TypeError(f"save: {k!r} is a {type(v).__name__}; checkpoints hold tensors and "
                             "Python scalars (int, float, bool, str)")
-    info = {"keys": _key_info(sd), "mesh": _mesh_info(sd),
+    return {"keys": _key_info(sd), "mesh": _mesh_info(sd),
             "step": sd.get("step") if isinstance(sd.get("step"), int) else None}
+
+
+def _make_tmp(path: str) -> str:
+    """Rank 0 recovers ``path`` and makes the temporary sibling; every rank gets its token."""
     err, token = None, None
     if _rank() == 0:
         try:
@@ -95,9 +109,11 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
                    f"save: cannot prepare {path!r}: {e}" if isinstance(e, OSError) else str(e))
     err, token = _broadcast_obj((err, token))
     _first_error([err])
-    if not async_save:
-        _write(sd, path, token, info, keep=keep, pg=None)
-        return path
+    return token
+
+
+def _write_async(sd, path: str, token: str, info: dict, *, keep: int | None) -> Future:
+    """Snapshot ``sd`` to CPU, then :func:`_write` it in a thread over its own gloo group."""
     staged = {k: _stage(v) for k, v in sd.items()}
     pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
     fut: Future = Future()
@@ -128,6 +144,29 @@ def _write(sd, path: str, token: str, info: dict, *, keep: int | None, pg) -> No
     """dcp.save into the temporary sibling, checksums, marker, rename (rank 0), barrier."""
     tmp = f"{path}.tmp-{token}"
     rank = _rank(pg)
+    gathered = _all_gather_obj(_write_shards(sd, tmp, path, rank, pg), pg)
+    errors = [e for _, e in gathered]
+    if rank == 0:
+        try:
+            if any(errors):
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _write_marker(tmp, {"format": FORMAT, "time": time.time(),
+                                    "world_size": _world(pg), **info,
+                                    "files": {n: f for fs_, _ in gathered for n, f in fs_.items()}})
+                _commit(tmp, path, token)
+                if keep is not None:
+                    prune(os.path.dirname(path), keep=keep)
+        except OSError as e:
+            errors.append(("CheckpointError", f"save: committing {path!r} failed: {e}"))
+    errors = _broadcast_obj([e for e in errors if e], pg)  # also the final barrier
+    if pg is not None and dist.is_initialized():
+        dist.destroy_process_group(pg)
+    _first_error(errors)
+
+
+def _write_shards(sd, tmp: str, path: str, rank: int, pg) -> tuple[dict, tuple | None]:
+    """This rank's dcp.save into ``tmp``: ``({file: {bytes, crc32}}, None)`` or ``({}, error)``."""
     files, err = {}, None
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
@@ -142,29 +181,7 @@ def _write(sd, path: str, token: str, info: dict, *, keep: int | None, pg) -> No
         why = lines[-1].strip() if lines else ""  # DCP wraps per-rank tracebacks: keep the cause
         err = ("CheckpointError", f"save to {path!r} failed on rank {rank}: "
                                   f"{type(e).__name__}: {why}")
-    gathered = _all_gather_obj((files, err), pg)
-    errors = [e for _, e in gathered]
-    if rank == 0:
-        try:
-            if any(errors):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                marker = {"format": FORMAT, "time": time.time(), "world_size": _world(pg),
-                          **info, "files": {n: f for fs_, _ in gathered for n, f in fs_.items()}}
-                with open(os.path.join(tmp, MARKER), "w") as f:
-                    json.dump(marker, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                _fsync_dir(tmp)
-                _commit(tmp, path, token)
-                if keep is not None:
-                    prune(os.path.dirname(path), keep=keep)
-        except OSError as e:
-            errors.append(("CheckpointError", f"save: committing {path!r} failed: {e}"))
-    errors = _broadcast_obj([e for e in errors if e], pg)  # also the final barrier
-    if pg is not None and dist.is_initialized():
-        dist.destroy_process_group(pg)
-    _first_error(errors)
+    return files, err
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -183,6 +200,20 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool)
                       "marker (the save did not finish); load an earlier checkpoint "
                       "(fs.checkpoint.latest(dir) skips incomplete ones)")
     saved = marker.get("keys", {})
+    problems = _key_problems(saved, like_sd)
+    if problems:
+        text = "\n  ".join(problems)
+        return None, ("ValueError", f"load: the checkpoint at {path!r} does not match like "
+                      f"({len(problems)} problem(s)); nothing was loaded:\n  {text}\nFix: pass "
+                      "like= a state of the same model and optimizer as the saved one.")
+    bad = _check_files(where, marker, rank, world) if verify else None
+    if bad:
+        return None, ("CheckpointError", f"incomplete or corrupted checkpoint at {path!r}: {bad}")
+    return where, None
+
+
+def _key_problems(saved: dict, like_sd: dict) -> list[str]:
+    """Every difference between the marker's keys and ``like``'s, one line each."""
     problems = []
     for k, v in like_sd.items():
         want = _key_info({k: v})[k]
@@ -199,15 +230,7 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool)
             problems.append(f"dtype mismatch at {k!r} (shape {tuple(want['shape'])}): checkpoint "
                             f"{got['dtype']}, like {want['dtype']}")
     problems += [f"unexpected key {k!r} ({saved[k]})" for k in saved if k not in like_sd]
-    if problems:
-        text = "\n  ".join(problems)
-        return None, ("ValueError", f"load: the checkpoint at {path!r} does not match like "
-                      f"({len(problems)} problem(s)); nothing was loaded:\n  {text}\nFix: pass "
-                      "like= a state of the same model and optimizer as the saved one.")
-    bad = _check_files(where, marker, rank, world) if verify else None
-    if bad:
-        return None, ("CheckpointError", f"incomplete or corrupted checkpoint at {path!r}: {bad}")
-    return where, None
+    return problems
 
 
 def load(path: str | os.PathLike, like: Tree, *, verify: bool = True) -> Tree:
