@@ -7,12 +7,12 @@
 """
 
 from . import checkpoint, comm, layout, mesh, optim, pytree, step
-from .checkpoint import load_state_dict, state_dict
 from .comm import CollectiveTimeout
 from .mesh import make_mesh
 from .pytree import params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
+from .state_dict import load_state_dict, state_dict
 from .step import Policy, TrainState, TrainStep, train_step
 
 __all__ = [

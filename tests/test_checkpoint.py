@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 import funshard as fs
 from funshard.testing import make_tensor
 from funshard import checkpoint as ck
+from funshard.checkpoint.atomic import _leftovers, _marker
+from funshard.state_dict import _flat, _groups
 from funshard.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
 from conftest import MESHES
@@ -72,9 +74,9 @@ def roundtrip(spec, leaves, seed):
     rank = dist.get_rank()
     ref = {k: v.full_tensor() if isinstance(v, DTensor) else v
            for k, v in ck.state_dict(state, "sharded").items()}
-    ks, vs, _ = ck._flat(state)  # expected all-gathers: groups holding a non-empty shard
+    ks, vs, _ = _flat(state)  # expected all-gathers: groups holding a non-empty shard
     gathers = sum(any(isinstance(vs[i], DTensor) and _gathered(ks[i], vs[i]) for i in idx)
-                  for idx in ck._groups(ks, vs))
+                  for idx in _groups(ks, vs))
     out = {}
     for kind, kw, lkw in [("sharded", {}, {}), ("local", {}, {}), ("full", {}, {}),
                           ("full", {"rank0_only": True, "cpu_offload": True},
@@ -364,8 +366,8 @@ def verify_after_kill(spec, path, steps):
     got = ck.state_dict(ck.load(path, like=kill_state(m, 0)), "full")
     match = [s for s in steps if same(ck.state_dict(kill_state(m, s), "full"), got) == []]
     refused = []
-    for kind, d in ck._leftovers(path):
-        if ck._marker(d) is None:
+    for kind, d in _leftovers(path):
+        if _marker(d) is None:
             try:
                 ck.load(d, like=kill_state(m, 0))
                 refused.append(False)

@@ -1,0 +1,43 @@
+"""Checkpoints: atomic, resharding, every rank writing its own shards.
+
+``save(path, state)`` writes every rank's own shards with ``torch.distributed.checkpoint``
+into a temporary sibling ``<path>.tmp-<id>``; after every rank has finished, rank 0 writes a
+marker (:data:`MARKER`: keys, shapes, file sizes and CRC32s) and renames the directory to
+``path``. An existing checkpoint at ``path`` is renamed to ``<path>.old-<id>`` first and
+removed after; :func:`load` and :func:`latest` resolve the leftovers of a crash between the
+two renames, and the next save cleans them up. ``load(path, like)`` checks the marker and
+the files before reading anything and reshards to ``like``'s mesh.
+
+    >>> save("ckpt/step_000100", state)                # every rank; returns the path
+    >>> state = load(latest("ckpt"), like=state)       # any world size or mesh
+    >>> export_full("model.pt", state.params)          # one torch.save file of full tensors
+
+Where each part lives: ``io`` (save, async saving, load), ``atomic`` (the temporary
+sibling, the marker, the commit, crash recovery, CRC32s), ``dirs`` (latest, prune),
+``export`` (export_full, import_full), ``errors`` (CheckpointError). The state dicts
+(``state_dict`` / ``load_state_dict``) live in :mod:`funshard.state_dict` and are
+re-exported here.
+"""
+
+from ..state_dict import KINDS, LocalShard, load_state_dict, state_dict
+from .atomic import FORMAT, MARKER
+from .dirs import latest, prune
+from .errors import CheckpointError
+from .export import export_full, import_full
+from .io import load, save
+
+__all__ = [
+    "FORMAT",
+    "KINDS",
+    "MARKER",
+    "CheckpointError",
+    "LocalShard",
+    "export_full",
+    "import_full",
+    "latest",
+    "load",
+    "load_state_dict",
+    "prune",
+    "save",
+    "state_dict",
+]
