@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import plan as planlib
-from .models import GPT, gpt_loss
+from .testing.models import GPT, gpt_loss
 from .optim import adamw
 from .shard import make_mesh, shard
 from .step import Policy, train_step

@@ -167,7 +167,7 @@ def peak_rss_mb() -> float:
 def train(args: argparse.Namespace) -> dict:
     """One rank's training run (the process group comes from the environment)."""
     import funshard as fs
-    from funshard.models import GPT, gpt_loss
+    from funshard.testing.models import GPT, gpt_loss
     from funshard.testing import CountCollectives
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,7 +293,7 @@ def _progress(total: int, initial: int):
 @torch.no_grad()
 def _eval(model, full, data, args, device) -> float:
     """Mean validation loss over a few fixed batches, with the full parameters."""
-    from funshard.models import gpt_loss
+    from funshard.testing.models import gpt_loss
 
     loss_fn = gpt_loss(model)
     losses = [loss_fn(full, tuple(t.to(device) for t in

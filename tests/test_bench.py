@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import funshard as fs
 from funshard import bench
-from funshard.models import GPT, gpt_loss
+from funshard.testing.models import GPT, gpt_loss
 from funshard.plan import gpt_dims, gpt_order, plan
 from funshard.testing import CountCollectives, mesh, world_of
 

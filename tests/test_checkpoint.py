@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import funshard as fs
 from funshard.testing import make_tensor
 from funshard import checkpoint as ck
-from funshard.models import GPT, MLP, gpt_loss, mse_loss
+from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
 from conftest import MESHES
 

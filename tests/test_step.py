@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funshard as fs
-from funshard.models import GPT, MLP, gpt_loss, mse_loss
+from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, capture, mesh
 from conftest import EXAMPLES, MESHES
 
