@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import funshard as fs
 from funshard import checkpoint as ck
-from funshard.models import MLP
+from funshard.testing.models import MLP
 from funshard.testing import LiveMemory, Pool, mesh
 
 

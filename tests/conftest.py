@@ -1,11 +1,19 @@
 """Shared fixtures: one pool of spawned gloo ranks per world size for the whole session."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from funshard.testing import Pool, world_of
+
+# The repository root, where `benchmarks` and `examples` live outside the library. Under
+# pytest's default import mode only tests/ is on sys.path; spawned ranks inherit sys.path.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 # Examples per property per mesh; FUNSHARD_EXAMPLES raises it (see README).
 EXAMPLES = int(os.environ.get("FUNSHARD_EXAMPLES", "25"))

@@ -9,10 +9,14 @@ import torch
 import torch.distributed as dist
 
 import funshard as fs
-from funshard import bench
-from funshard.models import GPT, gpt_loss
+from benchmarks import bench
+from benchmarks.measure import measure_memory, time_modes
+from benchmarks.modes import Config
+from benchmarks.report import summarize, table
+from funshard.testing.models import GPT, gpt_loss
 from funshard.plan import gpt_dims, gpt_order, plan
 from funshard.testing import CountCollectives, mesh, world_of
+from conftest import ROOT
 
 DIMS = dict(vocab=37, dim=12, heads=2, layers=3, seq=8)  # uneven rows on 2, 3 and 4 ranks
 
@@ -100,9 +104,9 @@ TINY = dict(world=2, blocks=2, dim=32, seq=16, batch=2, rounds=2, warmup=2)
 
 def pipeline(spec, modes):
     """The benchmark's phases in the pool's ranks (no spawning): timing, collectives, memory."""
-    cfg = bench.Config(**TINY, modes=tuple(modes))
-    timing = bench.time_modes(cfg)
-    memory = {m: bench.measure_memory(cfg, m) for m in modes}
+    cfg = Config(**TINY, modes=tuple(modes))
+    timing = time_modes(cfg)
+    memory = {m: measure_memory(cfg, m) for m in modes}
     return timing, memory
 
 
@@ -110,8 +114,8 @@ def test_bench_phases_and_report(pools):
     """Every column of the table and the JSON, from the phases run on 2 ranks."""
     modes = ("funshard_full", "fsdp2_full", "floor")
     timing, memory = pools.run(2, pipeline, modes)[0]
-    cfg = bench.Config(**TINY, modes=modes)
-    res = bench.summarize(cfg, timing, memory, overhead=None)
+    cfg = Config(**TINY, modes=modes)
+    res = summarize(cfg, timing, memory, overhead=None)
     ours, theirs = res["modes"]["funshard_full"], res["modes"]["fsdp2_full"]
     for key in ("step_ms", "x_twin", "x_floor", "os_peak_mb", "os_over_idle_mb", "live_peak_mb",
                 "x_twin_live_peak", "x_twin_step_peak", "x_twin_os_over_idle", "bytes_vs_bound"):
@@ -130,7 +134,7 @@ def test_bench_phases_and_report(pools):
     assert ours["live_peak_mb"] > ours["live_at_step_start_mb"]
     assert theirs["live_growth_mb_per_step"] == 0 and "x_twin" not in theirs
     assert res["modes"]["floor"]["collectives"] == {}
-    text = bench.table(res)
+    text = table(res)
     assert "| funshard_full |" in text and "| target | value | limit | met |" in text
     json.dumps(res)
 
@@ -148,9 +152,9 @@ def test_bench_command_line(tmp_path):
     out = tmp_path / "bench.json"
     args = [f"--{k}={v}" for k, v in TINY.items()]
     proc = subprocess.run(
-        [sys.executable, "-m", "funshard.bench", *args, "--no-memory",
+        [sys.executable, "-m", "benchmarks.bench", *args, "--no-memory",
          "--modes", "funshard_full,fsdp2_full,floor", "--json", str(out)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| mode | step ms median (best) | x FSDP2 twin | x floor |" in proc.stdout, proc.stdout

@@ -22,7 +22,7 @@ from funshard.testing import make_tensor
 from funshard import checkpoint as ck
 from funshard.checkpoint.atomic import _leftovers, _marker
 from funshard.state_dict import _flat, _groups
-from funshard.models import GPT, MLP, gpt_loss, mse_loss
+from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
 from conftest import MESHES
 

@@ -7,14 +7,18 @@ import sys
 
 import pytest
 
-from funshard import demo
+from conftest import ROOT
+
+EXAMPLE = ROOT / "examples" / "gpt"  # the demo; it imports its siblings by name, as a script
+sys.path.insert(0, str(EXAMPLE))
+import train as demo  # noqa: E402
 
 
 def run_cli(*args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "funshard", "train", *args], capture_output=True,
+    return subprocess.run([sys.executable, str(EXAMPLE / "train.py"), *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
 
@@ -65,7 +69,7 @@ def test_train_checkpoint_and_resume_on_another_world(tmp_path):
     ],
 )
 def test_bad_flags_give_one_line(capsys, flags, message):
-    assert demo.main(["train", *flags]) == 2
+    assert demo.main([*flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("funshard train: error: ") and message in err
 
@@ -79,7 +83,7 @@ def test_rank_killed_under_torchrun_restarts_and_matches_uninterrupted(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     faulty = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "-m", "funshard", "train", *flags, "--mesh", "1x2",
+         "--max-restarts", "1", str(EXAMPLE / "train.py"), *flags, "--mesh", "1x2",
          "--fail-at-step", "12", "--out", str(tmp_path / "faulty")],
         capture_output=True, text=True, env=env, timeout=240,
     )

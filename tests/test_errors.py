@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import funshard as fs
-from funshard.models import MLP, mse_loss
+from funshard.testing.models import MLP, mse_loss
 from funshard.testing import mesh
 
 

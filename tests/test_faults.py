@@ -51,7 +51,7 @@ def soak(spec, path, steps, every):
     import torch
 
     import funshard as fs
-    from funshard.models import MLP, mse_loss
+    from funshard.testing.models import MLP, mse_loss
     from funshard.testing import mesh
 
     m = mesh(spec)

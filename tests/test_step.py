@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funshard as fs
-from funshard.models import GPT, MLP, gpt_loss, mse_loss
+from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, capture, mesh
 from conftest import EXAMPLES, MESHES
 
@@ -418,7 +418,7 @@ def step_peaks(spec, blocks=8):
     and FSDP2 (fully_shard per block) on the same GPT, AdamW, same batch."""
     from torch.distributed.fsdp import fully_shard
 
-    from funshard.bench import LivePeak
+    from funshard.testing import LivePeak
 
     m = mesh(spec)
     torch.manual_seed(0)

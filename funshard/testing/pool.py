@@ -23,17 +23,12 @@ import pickle
 import tempfile
 import time
 import traceback
-import weakref
-from collections import Counter
 from datetime import timedelta
 from multiprocessing.connection import wait as _wait
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from .comm import is_direct_message
 
 MeshSpec = "int | str"
 
@@ -57,7 +52,7 @@ _MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process group
 
 def mesh(spec=None):
     """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; ``"RxS"`` -> 2-D."""
-    from .mesh import make_mesh
+    from .. import make_mesh
 
     spec = dist.get_world_size() if spec is None else spec
     if spec not in _MESHES:
@@ -220,162 +215,3 @@ class Pool:
             else:
                 lines.append(f"--- rank {r}: {val}")
         raise RankError("\n".join(lines))
-
-
-# -- helpers for tests users write ------------------------------------------------------
-
-TEST_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "int64": torch.int64, "bool": torch.bool,
-}
-
-
-def make_tensor(shape: tuple, dtype: str, seed: int) -> torch.Tensor:
-    """The same tensor on every rank for a ``(shape, dtype name, seed)``: parity inputs."""
-    g = torch.Generator().manual_seed(seed)
-    dt = TEST_DTYPES[dtype]
-    if dt == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dt == torch.int64:
-        return torch.randint(-1000, 1000, shape, generator=g)
-    return torch.randn(shape, generator=g).to(dt)
-
-
-def capture(fn: Callable, *args: Any, **kwargs: Any) -> tuple[str | None, str]:
-    """``(exception type name, message)`` of ``fn(*args)``, or ``(None, "no error")``.
-
-    For error tests that run on worker ranks and assert on the text in the parent.
-    """
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the caller asserts on what it was
-        return type(e).__name__, str(e)
-    return None, "no error"
-
-
-# -- collective counting -----------------------------------------------------------------
-
-_KINDS = {
-    "_allgather_base_": "all_gather",
-    "allgather_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-    "scatter_": "scatter",
-    "gather_": "gather",
-    "alltoall_base_": "all_to_all",
-    "barrier": "barrier",
-}
-
-
-def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
-
-def classify(func, args) -> tuple[str, int, int] | None:
-    """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
-    one (barriers, other ops, and the messages of a funshard direct exchange, which its
-    ``funshard::collective`` marker stands for: see :mod:`funshard.comm`).
-
-    Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
-    all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
-    its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
-    """
-    if func.namespace == "funshard" and func._opname == "collective":
-        return args[1], args[2], args[3]
-    if func.namespace != "c10d" or not args or func._opname == "barrier":
-        return None
-    if is_direct_message(func._opname, args):
-        return None
-    kind = _KINDS.get(func._opname, func._opname)
-    counted = _nbytes(args[0])
-    logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
-    return kind, logical, counted
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts c10d collectives (and their output bytes) issued on this thread while active.
-
-        >>> with CountCollectives() as cc:
-        ...     fs.unshard(sparams)
-        >>> cc.counts   # Counter({'all_gather': 1})
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-        self.bytes: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = classify(func, args)
-        if op is not None:
-            kind, _, counted = op
-            self.counts[kind] += 1
-            self.bytes[kind] += counted
-        return func(*args, **(kwargs or {}))
-
-
-# -- live tensor memory ------------------------------------------------------------------
-
-
-class LiveMemory(TorchDispatchMode):
-    """Peak bytes of live tensor storages created while active, sampled after every op.
-
-    Storages are tracked by weak reference, so freed tensors leave the count, and a storage
-    resized to 0 bytes (a freed unsharded parameter) counts 0. Only storages allocated by ops
-    under the mode are counted: views and in-place results of existing tensors are not.
-
-        >>> with LiveMemory() as mem:
-        ...     state, _ = step(state, batch)
-        >>> mem.peak   # bytes
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._live: dict[int, Any] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {_storage_key(t) for t in _tensors((args, tuple(kwargs.values())))}
-        for t in _tensors(out):
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            # views and in-place results alias an input: not a new allocation
-            if st._cdata not in self._live and st._cdata not in inputs:
-                self._live[st._cdata] = weakref.ref(st)  # the storage lives as its tensors do
-        total = 0
-        for key, ref in list(self._live.items()):
-            st = ref()
-            if st is None:
-                del self._live[key]
-            else:
-                total += st.nbytes()
-        self.peak = max(self.peak, total)
-        return out
-
-
-def _storage_key(t):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)

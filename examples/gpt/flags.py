@@ -1,0 +1,120 @@
+"""The demo's command line: its flags and their checks, made before any process starts.
+
+    >>> args = build_parser().parse_args(["--nproc", "2", "--mesh", "1x2"])
+    >>> validate(args, world=2)               # raises UsageError: one line, no traceback
+    >>> parse_mesh("2x2", 4, "full")          # (replicate, shard) == (2, 2)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from funshard import checkpoint
+
+from corpus import load_corpus
+
+POLICIES = ("full", "grad-op", "no-shard")
+
+
+class UsageError(Exception):
+    """A bad flag: reported as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags (``bash scripts/demo.sh --help``)."""
+    t = argparse.ArgumentParser(
+        prog="funshard train",
+        description="funshard demo training run: train a small GPT on a shipped text corpus "
+        "(bash scripts/demo.sh or python examples/gpt/train.py)",
+    )
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
+    t.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    t.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
+    t.add_argument("--dim", type=int, default=96, help="model width")
+    t.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    t.add_argument("--heads", type=int, default=4, help="attention heads")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    t.add_argument("--policy", choices=POLICIES, default="full",
+                   help="full: FULL_SHARD, grad-op: SHARD_GRAD_OP, no-shard: DDP-like")
+    t.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    t.add_argument("--mesh", default=None,
+                   help="RxS: replicate x shard (default: 2x2 for 4 processes, else 1xN)")
+    t.add_argument("--nproc", type=int, default=4,
+                   help="local processes to start when not under torchrun")
+    t.add_argument("--corpus", default=None, help="a UTF-8 text file (default: shipped KJV)")
+    t.add_argument("--out", default="runs/demo", help="output directory")
+    t.add_argument("--ckpt-dir", default=None,
+                   help="checkpoint directory (default: OUT/checkpoints)")
+    t.add_argument("--ckpt-every", type=int, default=100,
+                   help="checkpoint interval in steps (0: no checkpoints)")
+    t.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the local processes this many times after a failure; a "
+                   "restarted run resumes from the latest checkpoint (as under torchrun)")
+    t.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: the last rank kills itself before this step, on the "
+                   "first attempt only")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sample", type=int, default=300, help="bytes of text to sample at the end")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return t
+
+
+def parse_mesh(text: str | None, world: int, policy: str) -> tuple[int, int]:
+    """``"2x2"`` -> (replicate, shard), checked against the world size."""
+    if policy == "no-shard":
+        if text is not None and parse_mesh(text, world, "full")[1] != 1:
+            raise UsageError(f"--policy no-shard replicates everything; use --mesh {world}x1")
+        return world, 1
+    if text is None:
+        return (2, world // 2) if world == 4 else (1, world)
+    try:
+        rep, sh = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--mesh {text!r} is not RxS (e.g. 2x2)") from None
+    if rep < 1 or sh < 1 or rep * sh != world:
+        raise UsageError(
+            f"--mesh {text} needs {rep * sh} processes but the world has {world}; "
+            f"use --nproc {rep * sh} or a mesh whose product is {world}"
+        )
+    return rep, sh
+
+
+def validate(args: argparse.Namespace, world: int) -> None:
+    """Refuse bad flags with a :class:`UsageError` before any process starts."""
+    if args.ckpt_every < 0:
+        raise UsageError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for name in ("steps", "batch", "seq", "dim", "layers", "heads", "accumulate", "nproc",
+                 "keep"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.sample < 0:
+        raise UsageError(f"--sample must be >= 0, got {args.sample}")
+    if args.dim % args.heads:
+        raise UsageError(f"--dim {args.dim} is not divisible by --heads {args.heads}")
+    if args.batch % args.accumulate:
+        raise UsageError(
+            f"--batch {args.batch} does not split into --accumulate {args.accumulate} "
+            "micro-batches; use a batch divisible by it"
+        )
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if args.corpus is not None and not Path(args.corpus).is_file():
+        raise UsageError(f"--corpus {args.corpus}: no such file")
+    parse_mesh(args.mesh, world, args.policy)
+    if args.resume:
+        if checkpoint.latest(ckpt_dir_of(args)) is None:
+            raise UsageError(f"--resume: no complete checkpoint under {ckpt_dir_of(args)}")
+    corpus = load_corpus(args.corpus)
+    if len(corpus) < 2 * (args.seq + 1):
+        raise UsageError(f"--corpus has {len(corpus)} bytes; it needs at least {2 * args.seq + 2}")
+
+
+def ckpt_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.ckpt_dir) if args.ckpt_dir else Path(args.out) / "checkpoints"

@@ -1,0 +1,284 @@
+"""The demo training run: ``bash scripts/demo.sh`` (or ``python examples/gpt/train.py``).
+
+Trains a small byte-level GPT (:class:`funshard.testing.models.GPT`: token embedding,
+pre-norm blocks, tied head) on the text corpus in ``data/`` beside this file. Without a
+launcher it starts ``--nproc`` local processes itself with torch's elastic launcher (gloo on
+CPU) on a ``--mesh`` replicate x shard mesh (default 4 processes, 2x2). Under ``torchrun`` it
+uses the environment (NCCL on GPUs) and the mesh given by ``--mesh``. Rank 0 shows progress,
+writes metrics (JSON lines), a loss curve, checkpoints and a text sample under ``--out``.
+
+    bash scripts/demo.sh                                    # 4 local CPU processes, 2x2 mesh
+    python examples/gpt/train.py --nproc 2 --mesh 1x2 --steps 50
+    torchrun --nproc-per-node 8 examples/gpt/train.py --mesh 2x4 --dim 512 --layers 12
+
+The flags are in ``flags.py``, the data in ``corpus.py``, what rank 0 shows and writes in
+``report.py`` (siblings of this file, imported by name: the script's folder is on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import funshard as fs
+from funshard.testing import CountCollectives, free_port, under_torchrun
+from funshard.testing.models import GPT, gpt_loss
+
+from corpus import get_batch, load_corpus
+from flags import UsageError, build_parser, ckpt_dir_of, parse_mesh, validate
+from report import peak_rss_mb, plot, print_summary, progress
+
+
+class Run(NamedTuple):
+    """One rank's training run, as :func:`setup` builds it."""
+
+    args: argparse.Namespace
+    world: int
+    rank: int
+    mesh: str  # "RxS": replicate x shard
+    device: torch.device
+    model: torch.nn.Module
+    step_fn: fs.TrainStep
+    lr: Callable[[int], float]
+    out: Path
+    ckpt_dir: Path
+    restarted: bool  # a torch elastic restart after a failure
+
+
+def train(args: argparse.Namespace) -> dict:
+    """One rank's training run (the process group comes from the environment)."""
+    run, state, resumed_from = setup(args)
+    data = load_corpus(args.corpus)
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+    state, log = run_steps(run, state, train_data)
+    return finish(run, state, log, val_data, resumed_from)
+
+
+def setup(args: argparse.Namespace) -> tuple[Run, fs.TrainState, tuple | None]:
+    """The mesh, the model, the step and its state (from the latest checkpoint on --resume or
+    after a restart); ``resumed_from`` is ``(path, step)`` or None."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    world = int(os.environ["WORLD_SIZE"])
+    rep, sh = parse_mesh(args.mesh, world, args.policy)
+    mesh = fs.make_mesh(shard=sh, replicate=rep, device_type=device_type)
+    rank = dist.get_rank()
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+        else torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = GPT(vocab=256, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
+    model.to(device)
+    lr = schedule(args)
+    step_fn = fs.train_step(gpt_loss(model), fs.optim.adamw(lr, weight_decay=0.1),
+                            policy=policy_of(args))
+    state = step_fn.init(fs.shard(fs.params(model), mesh))
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    run = Run(args, world, rank, f"{rep}x{sh}", device, model, step_fn, lr, Path(args.out),
+              ckpt_dir_of(args), restarted)
+    if rank == 0:
+        run.out.mkdir(parents=True, exist_ok=True)
+    resumed_from = None
+    if args.resume or (restarted and fs.checkpoint.latest(run.ckpt_dir) is not None):
+        path = fs.checkpoint.latest(run.ckpt_dir)
+        state = fs.checkpoint.load(path, like=state)
+        resumed_from = (str(path), state.step)
+    return run, state, resumed_from
+
+
+def policy_of(args: argparse.Namespace) -> fs.Policy:
+    """``--policy``, ``--mixed-precision`` (bf16 compute, fp32 reduce), ``--accumulate``,
+    ``--clip`` as a :class:`funshard.Policy`."""
+    return fs.Policy(
+        reshard_after_forward=args.policy == "full",
+        param_dtype=torch.bfloat16 if args.mixed_precision else None,
+        reduce_dtype=torch.float32 if args.mixed_precision else None,
+        accumulate=args.accumulate,
+        clip_norm=args.clip or None,
+    )
+
+
+def schedule(args: argparse.Namespace) -> Callable[[int], float]:
+    """Learning rate by step: linear warm-up over the first 5% of ``--steps``, then cosine
+    decay from ``--lr`` to a tenth of it."""
+    warmup = max(1, args.steps // 20)
+
+    def lr(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, args.steps - warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    return lr
+
+
+def run_steps(run: Run, state: fs.TrainState, data: torch.Tensor) -> tuple[fs.TrainState, dict]:
+    """Train up to ``--steps``: rank 0 logs every step, one steady-state step's collectives are
+    counted, a checkpoint every ``--ckpt-every`` steps. ``--fail-at-step`` kills the last rank
+    (first attempt only)."""
+    args, rank = run.args, run.rank
+    dp_rank = rank  # every rank is a data-parallel rank (HSDP: replicate x shard)
+    tokens_per_step = args.batch * args.seq * run.world
+    metrics_file = open(run.out / "metrics.jsonl", "a") if rank == 0 else None
+    bar = progress(args.steps, state.step) if rank == 0 and not args.no_progress else None
+    log = {"losses": [], "collectives": None, "first_step": state.step,
+           "tokens_per_step": tokens_per_step}
+    t_start = time.perf_counter()
+    while state.step < args.steps:
+        if args.fail_at_step == state.step and not run.restarted and rank == run.world - 1:
+            os.kill(os.getpid(), 9)  # a crash: no clean-up, no exception
+        x, y = get_batch(data, state.step, dp_rank, args.batch, args.seq, args.seed)
+        t0 = time.perf_counter()
+        # count one steady-state step's collectives
+        if log["collectives"] is None and state.step > log["first_step"]:
+            with CountCollectives() as cc:
+                state, m = run.step_fn(state, (x.to(run.device), y.to(run.device)))
+            log["collectives"] = dict(cc.counts)
+        else:
+            state, m = run.step_fn(state, (x.to(run.device), y.to(run.device)))
+        dt = time.perf_counter() - t0
+        log["losses"].append(m["loss"])
+        if rank == 0:
+            _record(run, state.step, m, dt, tokens_per_step, metrics_file, bar)
+        if args.ckpt_every and (state.step % args.ckpt_every == 0 or state.step == args.steps):
+            fs.checkpoint.save(run.ckpt_dir / f"step_{state.step:06d}", state)
+            if rank == 0:
+                fs.checkpoint.prune(run.ckpt_dir, keep=args.keep)
+    if bar is not None:
+        bar.close()
+    log["wall"] = time.perf_counter() - t_start
+    if metrics_file is not None:
+        metrics_file.close()
+    return state, log
+
+
+def _record(run: Run, step: int, m: dict, dt: float, tokens_per_step: int, metrics_file,
+            bar) -> None:
+    """Rank 0: one JSON line of the step's metrics, and the progress bar."""
+    rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"],
+           "lr": run.lr(step - 1), "step_s": dt, "tokens_per_s": tokens_per_step / dt,
+           "peak_mem_mb": peak_rss_mb(), "world": run.world, "mesh": run.mesh}
+    metrics_file.write(json.dumps(rec) + "\n")
+    metrics_file.flush()
+    if bar is not None:
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                        mem=f"{rec['peak_mem_mb']:.0f}MB")
+        bar.update(1)
+
+
+def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
+           resumed_from: tuple | None) -> dict:
+    """Validation loss, a text sample, every rank's peak memory; rank 0 writes and prints."""
+    args = run.args
+    steps_run = state.step - log["first_step"]
+    with torch.no_grad():
+        full = fs.unshard(state.params)  # one gather serves evaluation and sampling
+    val = _eval(run.model, full, val_data, args, run.device)
+    sample = _sample(run.model, full, args, run.device)
+    del full
+    peaks = [None] * run.world
+    dist.all_gather_object(peaks, peak_rss_mb())
+    losses = log["losses"]
+    summary = {
+        "final_loss": losses[-1] if losses else None,
+        "val_loss": val,
+        "steps": state.step,
+        "steps_this_run": steps_run,
+        "tokens_per_s": log["tokens_per_step"] * steps_run / log["wall"] if steps_run else None,
+        "wall_s": log["wall"],
+        "peak_mem_mb_per_rank": [round(p, 1) for p in peaks],
+        "collectives_per_step": log["collectives"],
+        "world": run.world,
+        "mesh": run.mesh,
+        "policy": args.policy,
+        "resumed_from": resumed_from,
+    }
+    if run.rank == 0:
+        (run.out / "sample.txt").write_text(sample)
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot(run.out / "metrics.jsonl", run.out / "loss.png")
+        print_summary(summary, sample, run.out)
+    return summary
+
+
+@torch.no_grad()
+def _eval(model, full, data, args, device) -> float:
+    """Mean validation loss over a few fixed batches, with the full parameters."""
+    loss_fn = gpt_loss(model)
+    losses = [loss_fn(full, tuple(t.to(device) for t in
+                                  get_batch(data, i, 0, args.batch, args.seq, args.seed + 1)))
+              .item() for i in range(4)]
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def _sample(model, full, args, device) -> str:
+    """Greedy-ish sampling (temperature 0.8) from the trained model, same on every rank."""
+    g = torch.Generator().manual_seed(args.seed)
+    idx = torch.tensor([list(b"And ")], device=device)
+    for _ in range(args.sample):
+        logits = torch.func.functional_call(model, full, (idx[:, -args.seq:],))[0, -1].float()
+        probs = torch.softmax(logits.cpu() / 0.8, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=g).to(device)
+        idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+# -- launching ---------------------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    """Entry point of each launched process."""
+    try:
+        return train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch_local(args: argparse.Namespace) -> int:
+    """Start ``args.nproc`` processes with torch's elastic launcher (gloo on CPU)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+        run_id=f"funshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=args.max_restarts,
+        monitor_interval=0.5, start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    elastic_launch(config, _worker)(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    under_launcher = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
+    try:
+        validate(args, world)
+        if under_launcher:
+            _worker(args)
+            return 0
+        return launch_local(args)
+    except UsageError as e:
+        print(f"funshard train: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

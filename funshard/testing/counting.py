@@ -1,0 +1,90 @@
+"""The one collective counter: :func:`classify` names an op as a collective,
+:class:`CountCollectives` counts them while active (tests, the demo and the benchmark).
+
+    >>> with CountCollectives() as cc:
+    ...     state, _ = step(state, batch)
+    >>> cc.counts        # Counter({'all_gather': 18, 'reduce_scatter': 9, 'all_reduce': 1})
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..comm import is_direct_message
+
+_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
+    "gather_": "gather",
+    "alltoall_base_": "all_to_all",
+    "barrier": "barrier",
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def classify(func, args) -> tuple[str, int, int] | None:
+    """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
+    one (barriers, other ops, and the messages of a funshard direct exchange, which its
+    ``funshard::collective`` marker stands for: see :mod:`funshard.comm`).
+
+    Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
+    all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
+    its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
+    """
+    if func.namespace == "funshard" and func._opname == "collective":
+        return args[1], args[2], args[3]
+    if func.namespace != "c10d" or not args or func._opname == "barrier":
+        return None
+    if is_direct_message(func._opname, args):
+        return None
+    kind = _KINDS.get(func._opname, func._opname)
+    counted = _nbytes(args[0])
+    logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
+    return kind, logical, counted
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts c10d collectives (and their output bytes) issued on this thread while active.
+
+    ``counts`` and ``bytes`` (counted bytes) are by kind; ``ops`` lists every collective in
+    issue order as :func:`classify` gives it, ``(kind, logical bytes, counted bytes)``, for
+    callers that split a kind further (the benchmark tells metric all-reduces apart by size).
+
+        >>> with CountCollectives() as cc:
+        ...     fs.unshard(sparams)
+        >>> cc.counts   # Counter({'all_gather': 1})
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.ops: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = classify(func, args)
+        if op is not None:
+            kind, _, counted = op
+            self.counts[kind] += 1
+            self.bytes[kind] += counted
+            self.ops.append(op)
+        return func(*args, **(kwargs or {}))
+
