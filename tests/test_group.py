@@ -68,12 +68,12 @@ def test_partial_then_gather_owed():
     g.gather()
     g.saved = [1, 0]  # autograd saved leaf 0 only
     g.free_leaves([0, 1])
-    assert g.state is S.PARTIAL and g.owed == [0]
+    assert g.state is S.PARTIAL and g.to_regather == [0]
     assert g.bases[0].untyped_storage().nbytes() == 0
-    g.prefetch_owed()
+    g.prefetch_regather()
     assert g.state is S.PARTIAL_GATHERING
-    g.gather_owed()
-    assert g.state is S.GATHERED and g.owed == []
+    g.regather()
+    assert g.state is S.GATHERED and g.to_regather == []
     assert torch.equal(g.fulls[0], shards[0].double())
 
 
@@ -81,7 +81,7 @@ def test_free_leaves_nobody_saved_stays_gathered():
     g, _ = make_group()
     g.gather()
     g.free_leaves([1])
-    assert g.state is S.GATHERED and g.owed == []
+    assert g.state is S.GATHERED and g.to_regather == []
 
 
 def test_prefetch_unused_is_dropped_and_used_is_gathered():
@@ -102,9 +102,9 @@ def test_partial_gathering_free_finishes_first():
     g.gather()
     g.saved = [1, 1]
     g.free_leaves([0])
-    g.prefetch_owed()
+    g.prefetch_regather()
     g.free()
-    assert g.state is S.SHARDED and g.pending is None and g.owed == []
+    assert g.state is S.SHARDED and g.pending is None and g.to_regather == []
 
 
 def test_aliased_world_of_one_without_cast():
@@ -114,7 +114,7 @@ def test_aliased_world_of_one_without_cast():
     assert all(f.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
                for f, s in zip(fulls, shards))
     g.free()
-    g.drop(0)
+    g.release_leaf(0)
     assert g.state is S.ALIASED and g.bases[0] is not None  # the shards are never freed
 
 
@@ -122,7 +122,7 @@ def test_drop_lets_go_without_resizing():
     g, _ = make_group()
     g.gather()
     base = g.bases[0]
-    g.drop(0)
+    g.release_leaf(0)
     assert g.bases[0] is None and g.fulls[0] is None
     assert base.untyped_storage().nbytes() > 0  # the node using it may still compute
     assert len(g.storage) == 1

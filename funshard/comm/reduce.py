@@ -226,17 +226,17 @@ class Reducing:
     """An in-flight bucketed gradient reduction; :meth:`wait` returns the local shards.
 
     On a 2-D mesh it has two stages: the reduce-scatter on ``"shard"``, then the all-reduce on
-    ``"replicate"`` of its result. :meth:`advance` finishes the first and launches the second
-    without waiting for it, so a caller can overlap both with compute.
+    ``"replicate"`` of its result. :meth:`finish_reduce_scatter` finishes the first and
+    launches the second without waiting for it, so a caller can overlap both with compute.
     """
 
     def __init__(self, parts, done, layouts):
         self._parts, self._done, self._layouts = parts, done, layouts
 
-    def advance(self) -> None:
+    def finish_reduce_scatter(self) -> None:
         """Finish the reduce-scatter; start the "replicate" all-reduce (if any), async."""
         for _, part in self._parts:
-            part.advance()
+            part.finish_reduce_scatter()
 
     def wait(self) -> list[torch.Tensor | None]:
         if self._done is None:
@@ -292,7 +292,7 @@ class _ReduceOne:
             rs = inp.view(-1)
         return rs
 
-    def advance(self) -> None:
+    def finish_reduce_scatter(self) -> None:
         if self.works is None:  # advanced before
             return
         for kind, work in self.works:
@@ -308,7 +308,7 @@ class _ReduceOne:
                 self.rep_work = dist.all_reduce(self.both, group=rep_pg, async_op=True)
 
     def wait(self) -> list[torch.Tensor]:
-        self.advance()
+        self.finish_reduce_scatter()
         pieces = self.pieces
         if self.both is not None:
             with watch("all-reduce", None, REPLICATE):

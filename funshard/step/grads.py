@@ -2,8 +2,8 @@
 once per step as soon as backward is done with the group.
 
 Each reduction in flight has two stages on a 2-D mesh (the reduce-scatter on ``"shard"``,
-then the all-reduce on ``"replicate"``); :meth:`Reductions.advance` finishes the first and
-launches the second, so each overlaps a later group's backward.
+then the all-reduce on ``"replicate"``); :meth:`Reductions.finish_reduce_scatter` finishes
+the first and launches the second, so each overlaps a later group's backward.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Reductions:
         if b is None:
             # The previous group's reduce-scatter had this group's first node to complete:
             # finish it now, so its input is freed before this bucket is allocated.
-            self.advance()
+            self.finish_reduce_scatter()
             p, pos = self.params, self.params.grad_pos[group.gi]
             # Reduce in reduce_dtype; else in the compute dtype, or when micro-batches are
             # summed first, in the parameters' own dtype.
@@ -52,21 +52,21 @@ class Reductions:
         del self.buckets[group.gi]
         self.in_flight.append((group, self.params.grad_pos[group.gi], bucket.launch()))
 
-    def settle(self, keep: int = 0) -> None:
-        """Finish the reductions in flight but the newest ``keep``, whose first stage is
+    def wait(self, keep_newest: int = 0) -> None:
+        """Finish the reductions in flight but the newest ``keep_newest``, whose first stage is
         finished and second launched; each finished group keeps its gradient shards."""
-        while len(self.in_flight) > keep:
+        while len(self.in_flight) > keep_newest:
             group, pos, pending = self.in_flight.pop(0)
             group.grads = [None] * len(group.idx)
             for k, g in zip(pos, pending.wait()):
                 group.grads[k] = g
-        self.advance()
+        self.finish_reduce_scatter()
 
-    def advance(self) -> None:
+    def finish_reduce_scatter(self) -> None:
         """Finish the reduce-scatter of every reduction in flight (freeing its input) and
         launch its "replicate" all-reduce, if any."""
         for _, _, pending in self.in_flight:
-            pending.advance()
+            pending.finish_reduce_scatter()
 
     def release(self) -> None:
         self.in_flight = []

@@ -92,9 +92,9 @@ class Group:
         self.grads: list[torch.Tensor | None] | None = None  # reduced gradient shards
         self.saved = [0] * len(self.idx)  # per leaf: autograd's saved copies not unpacked
         self.held = 0  # bytes of gathered storages this group holds
-        self.handed_on = False  # backward has prefetched the group after this one
+        self.next_prefetched = False  # backward has prefetched the group after this one
         self.versions = None  # autograd version counters to restore after a refill
-        self.owed: list[int] = []  # leaves freed while PARTIAL, gathered again on use
+        self.to_regather: list[int] = []  # leaves freed while PARTIAL, gathered again on use
 
     @property
     def name(self) -> str:
@@ -132,9 +132,9 @@ class Group:
         self.pending = self.launch(async_op=True)
         self.move(S.GATHERING)
 
-    def prefetch_owed(self) -> None:
+    def prefetch_regather(self) -> None:
         """PARTIAL -> PARTIAL_GATHERING: start gathering the leaves it owes."""
-        self.pending = self.launch(async_op=True, leaves=self.owed)
+        self.pending = self.launch(async_op=True, leaves=self.to_regather)
         self.move(S.PARTIAL_GATHERING)
 
     def _refill(self, leaves: list[int]) -> list[torch.Tensor]:
@@ -179,7 +179,7 @@ class Group:
             self._refilled()
         self.held = 0
         self._hold(self.sharded)
-        self.handed_on, self.owed = False, []
+        self.next_prefetched, self.to_regather = False, []
         self.move(S.GATHERED)
         return tuple(self.fulls)
 
@@ -203,14 +203,14 @@ class Group:
             if st.data_ptr():
                 self.storage[st.data_ptr()] = (self, k)
 
-    def gather_owed(self) -> None:
+    def regather(self) -> None:
         """PARTIAL | PARTIAL_GATHERING -> GATHERED: gather the leaves it owes."""
-        pending = self.pending or self.launch(async_op=False, leaves=self.owed)
+        pending = self.pending or self.launch(async_op=False, leaves=self.to_regather)
         self.pending = None
         pending.wait()
         self._refilled()
-        self._hold(self.owed)
-        self.owed = []
+        self._hold(self.to_regather)
+        self.to_regather = []
         self.move(S.GATHERED)
 
     def finish_gather(self) -> None:
@@ -221,7 +221,7 @@ class Group:
         self.pending.wait()
         self._refilled()
         self.pending = None
-        self.owed = []
+        self.to_regather = []
         self.move(S.GATHERED if self.bases is not None else S.SHARDED)
 
     # freeing -----------------------------------------------------------------------
@@ -238,8 +238,8 @@ class Group:
             self.held -= st.nbytes()
             st.resize_(0)
             if self.saved[k]:  # autograd will want it back
-                self.owed.append(k)
-        if self.owed:
+                self.to_regather.append(k)
+        if self.to_regather:
             self.move(S.PARTIAL)
 
     def free(self) -> None:
@@ -247,17 +247,17 @@ class Group:
         in flight into a group that is not resident is left to finish; ALIASED stays."""
         if self.state in (S.SHARDED, S.GATHERING, S.ALIASED):
             return
-        if self.state is S.PARTIAL_GATHERING:  # owed leaves on their way into its storages
+        if self.state is S.PARTIAL_GATHERING:  # leaves on their way into its storages
             self.finish_gather()
         for k in self.sharded:
             if self.bases[k] is not None:
                 st = self.bases[k].untyped_storage()
                 self.storage.pop(st.data_ptr(), None)
                 st.resize_(0)
-        self.held, self.owed = 0, []
+        self.held, self.to_regather = 0, []
         self.move(S.SHARDED)
 
-    def drop(self, k: int) -> None:
+    def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.
 
         Its storage is not resized (the node unpacking it is still computing with it): the

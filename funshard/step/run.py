@@ -84,7 +84,7 @@ class Run:
                     # The group backward reaches next: the previous group's reduce-scatter
                     # (launched as its backward ended) is finished first, so its input is
                     # not alive under this group's first node, where memory peaks.
-                    self.grads.advance()
+                    self.grads.finish_reduce_scatter()
                 self.gather(group)
             if not self.backward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
@@ -108,16 +108,16 @@ class Run:
             g.prefetch()
             self.note_peak()
 
-    def hand_on(self, group: Group) -> None:
+    def prefetch_after(self, group: Group) -> None:
         """Backward is mostly done with ``group``: prefetch the leaves it owes, else the
         group the schedule has next, if ``group`` is the one before it there."""
-        if group.owed:
+        if group.to_regather:
             if group.state is S.PARTIAL and self.policy.prefetch:
-                group.prefetch_owed()
+                group.prefetch_regather()
             return
-        if group.handed_on:
+        if group.next_prefetched:
             return
-        group.handed_on = True
+        group.next_prefetched = True
         s, j = self.params.schedule, len(self.seen[True])
         if s is not None and j < len(s.backward):
             before = s.before_backward(j)
@@ -131,8 +131,8 @@ class Run:
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
         group.free()
-        self.grads.settle(keep=1)
-        self.hand_on(group)  # if unpacking did not already
+        self.grads.wait(keep_newest=1)
+        self.prefetch_after(group)  # if unpacking did not already
         pos = self.params.grad_pos[group.gi]
         if not self.tapped:
             for k in pos:
@@ -154,8 +154,8 @@ class Run:
             self.groups[kept].free_leaves(list(late))
 
     def finish(self) -> None:
-        self.grads.settle()
-        self.saved.deferred = None
+        self.grads.wait()
+        self.saved.prefetch_when_done = None
         for g in self.groups:
             g.finish_gather()  # a prefetch nobody used
             g.free()

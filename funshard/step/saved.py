@@ -22,7 +22,7 @@ class SavedParams:
     def __init__(self, run):
         self.run = run
         self.node = None  # the autograd node whose saved tensors are being unpacked
-        self.deferred = None  # (node, group): prefetch after group once node is done
+        self.prefetch_when_done = None  # (node, group): prefetch after group once node is done
         self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
 
     def pack(self, t: torch.Tensor):
@@ -38,21 +38,21 @@ class SavedParams:
 
     def unpack(self, packed):
         run = self.run
-        waiting = self.deferred is not None and run.backward
+        waiting = self.prefetch_when_done is not None and run.backward
         if not waiting and not isinstance(packed, tuple):
             return packed  # the common case: an activation, nothing to do
         node = torch._C._current_autograd_node()
-        if waiting and node is not self.deferred[0]:  # the node that consumed it finished
-            g, self.deferred = self.deferred[1], None
-            run.hand_on(g)
+        if waiting and node is not self.prefetch_when_done[0]:  # the consuming node finished
+            g, self.prefetch_when_done = self.prefetch_when_done[1], None
+            run.prefetch_after(g)
         if not isinstance(packed, tuple):
             return packed
         gi, k, t = packed
         group = run.groups[gi]
         if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             run.use([gi], new_op=node is None or node is not self.node)
-            if k in group.owed:
-                group.gather_owed()
+            if k in group.to_regather:
+                group.regather()
         self.node = node
         if run.backward:
             self._consumed(group, k, node)
@@ -68,17 +68,18 @@ class SavedParams:
                 seen.append(k)
         group.saved[k] -= 1
         if group.saved[k] == 0:
-            group.drop(k)
+            group.release_leaf(k)
         # Hand on once half the group is consumed (a group that owes leaves: once the
         # rest is), when the node consuming it is done: the next gather overlaps the
         # rest of this group's backward, but is not allocated while the whole group (or
         # the node's own outputs) are alive.
-        if group.owed:
+        if group.to_regather:
             due = group.state is S.PARTIAL and group.held == 0
         else:
-            due = not group.handed_on and 2 * group.held <= run.params.group_bytes[group.gi]
-        if due and self.deferred is None and group.resident:
-            self.deferred = (node, group)
+            due = not group.next_prefetched and 2 * group.held <= run.params.group_bytes[group.gi]
+        if due and self.prefetch_when_done is None and group.resident:
+            self.prefetch_when_done = (node, group)
 
     def release(self) -> None:
-        self.node = self.deferred = None  # autograd nodes: they reach every ctx in the graph
+        # autograd nodes: they reach every ctx in the graph
+        self.node = self.prefetch_when_done = None
