@@ -52,6 +52,13 @@ def process_groups(mesh: DeviceMesh):
     return shard_pg, rep_pg
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors live on for ``mesh`` (the current CUDA device)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def replicas(mesh: DeviceMesh) -> int:
     """Size of the ``"replicate"`` dimension (1 on a 1-D mesh)."""
     return dict(zip(mesh.mesh_dim_names, mesh.shape)).get(REPLICATE, 1)

@@ -58,21 +58,22 @@ def norm_weights(layouts: Sequence[Layout], mesh) -> list[float]:
     return [1.0 / rep if lay.sharded else 1.0 / world for lay in layouts]
 
 
-def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """This rank's weighted share of the global squared norm (float64, on the grads' device);
-    all-reduced (summed) over the mesh it is the squared global norm."""
+def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float],
+                  device: torch.device) -> torch.Tensor:
+    """This rank's weighted share of the global squared norm (float64, on ``device``, the
+    gradients' device); all-reduced (summed) over the mesh it is the squared global norm."""
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm([g.float() for g in grads])
-    w = torch.tensor(list(weights), dtype=torch.float64)
-    return (torch.stack(norms).double() ** 2 * w.to(norms[0].device)).sum()
+    w = torch.tensor(list(weights), dtype=torch.float64, device=device)
+    return (torch.stack(norms).double() ** 2 * w).sum()
 
 
 def first_nonfinite(grads: Sequence[torch.Tensor], mesh) -> list[int]:
     """Positions (over all ranks) of the gradients that are not finite somewhere."""
-    bad = torch.tensor([0.0 if g.isfinite().all() else 1.0 for g in grads])
-    if mesh.size() > 1 and grads:
-        bad = bad.to(grads[0].device)
+    if not grads:
+        return []
+    bad = torch.stack([(~g.isfinite()).any() for g in grads]).float()  # on the grads' device
+    if mesh.size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        bad = bad.cpu()
-    return [j for j in range(len(grads)) if bad[j] > 0]
+    return [j for j, b in enumerate(bad.tolist()) if b > 0]

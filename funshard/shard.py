@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 from . import comm, pytree
 from .layout import (Layout, as_dtensor, compute_dtype, describe, local_slice,
                      placements_for)
-from .mesh import REPLICATE, SHARD, mesh_str, shard_dim
+from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
 
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
 
@@ -60,9 +60,7 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     shard_dim(mesh, where="shard: ")
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
-    device = torch.device(mesh.device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = mesh_device(mesh)
     out = []
     for p, leaf, how in zip(paths, leaves, hows):
         name = pytree.fqn(p)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
-from ..mesh import REPLICATE, SHARD, mesh_str, process_groups
+from ..mesh import REPLICATE, SHARD, mesh_device, mesh_str, process_groups
 from .base import watch
 from .gather import choose
 
@@ -57,7 +57,9 @@ def reduce_scatter(
     """
     dtypes = [reduce_dtype or (g.dtype if g is not None else lay.dtype)
               for lay, g in zip(layouts, grads)]
-    bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy, transport=transport)
+    device = next((g.device for g in grads if g is not None), None)
+    bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy, transport=transport,
+                        device=device)
     for k, g in enumerate(grads):
         if g is not None:
             bucket.put(k, g)
@@ -85,15 +87,18 @@ class GradBucket:
             itself (no copy into a flat buffer) and send its rows from it; the caller must
             not change a gradient after putting it.
         transport: ``"auto"``, ``"c10d"`` or ``"p2p"``.
+        device: where the buffers and results live: the gradients' device (default: this
+            rank's device of the mesh).
     """
 
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
                  dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
-                 borrow: bool = False, transport: str = "auto"):
+                 borrow: bool = False, transport: str = "auto",
+                 device: torch.device | None = None):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
-        self.device = torch.device(mesh.device_type)
+        self.device = device if device is not None else mesh_device(mesh)
         self.world = mesh.size()
         self.divide = self.world if op == "mean" else 1
         self.alias = alias

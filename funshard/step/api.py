@@ -159,7 +159,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     k = len(micro)
     buckets: dict = {}  # gradients summed over micro-batches, per group
     record = params.schedule is None
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
     aux_all, runs = [], []
     for j, mb in enumerate(micro):
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
@@ -187,11 +187,12 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     return _Grads(grads, loss_sum, aux_all, peaks)
 
 
-def _metrics(params: ParamGroups, out: _Grads, shards: list, k: int) -> tuple[dict, list]:
+def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     """Loss (mean over ranks) and global gradient norm: one all-reduce for both."""
     present = [i for i, g in enumerate(out.grads) if g is not None]
-    sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present])
-    both = torch.stack([out.loss_sum / k, sq]).to(shards[0].device if shards else "cpu")
+    sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present],
+                       params.device)
+    both = torch.stack([out.loss_sum / k, sq])
     if params.world > 1:
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
@@ -243,7 +244,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
         out = _micro_batches(loss_fn, params, shards, policy, batch)
-        metrics, present = _metrics(params, out, shards, policy.accumulate)
+        metrics, present = _metrics(params, out, policy.accumulate)
         grads, norm = out.grads, metrics["grad_norm"]
         if not math.isfinite(norm):
             if policy.skip_nonfinite:  # every rank sees the same norm: all skip together

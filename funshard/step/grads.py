@@ -39,7 +39,8 @@ class Reductions:
                    for k in pos]
             b = self.buckets[group.gi] = comm.GradBucket(
                 [p.layouts[group.idx[k]] for k in pos], p.mesh, dts, alias=True,
-                borrow=not self.accumulating, transport=self.policy.transport)
+                borrow=not self.accumulating, transport=self.policy.transport,
+                device=p.device)
         return b
 
     def put(self, group, k: int, grad: torch.Tensor) -> None:

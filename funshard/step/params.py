@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import pytree
 from ..layout import compute_dtype, describe
-from ..mesh import mesh_str
+from ..mesh import mesh_device, mesh_str
 from ..reduce import norm_weights
 from .schedule import Schedule, group_names, partition
 
@@ -41,6 +41,8 @@ class ParamGroups:
         self.slot = [{k: j for j, k in enumerate(pos)} for pos in self.grad_pos]
         self.dtypes = [compute_dtype(leaf.dtype, policy.param_dtype) for leaf in leaves]
         self.world = mesh.size()
+        # where this rank's shards live: everything the step makes goes there
+        self.device = leaves[0].device if leaves else mesh_device(mesh)
         self.norm_weight = norm_weights(layouts, mesh)
         self.group_bytes = [sum(self.leaf_bytes(i) for i in idx if layouts[i].sharded)
                             for idx in self.members]

@@ -1,0 +1,147 @@
+"""Device-correct by construction: every tensor funshard makes takes its device from the data.
+
+CI has no GPU, so this lane runs the library with torch's default device set to ``meta``
+while every tensor of the user's lives on the CPU: a tensor funshard makes without naming a
+device lands on ``meta`` and fails as soon as it meets real data or is read, the way a CPU
+accumulator beside CUDA tensors fails on a GPU (the first CUDA run failed exactly so).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funshard as fs
+from funshard.testing import mesh
+from funshard.testing.models import GPT, gpt_loss
+from conftest import MESHES
+
+POLICIES = {
+    "full": {},
+    "grad_op": {"reshard_after_forward": False},
+    "mixed": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "accumulate_clip": {"accumulate": 2, "clip_norm": 0.5},
+    "no_prefetch_c10d": {"prefetch": False, "transport": "c10d"},
+    "skip_nonfinite": {"skip_nonfinite": True},
+}
+
+
+def _model_and_batch(world, per_rank=2, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(vocab=37, dim=12, heads=2, layers=2, seq=8)
+    g = torch.Generator().manual_seed(seed + 1)
+    rank = dist.get_rank()
+    x = torch.randint(0, 37, (world * per_rank, 8), generator=g)
+    y = torch.randint(0, 37, (world * per_rank, 8), generator=g)
+    return model, (x[rank * per_rank:(rank + 1) * per_rank],
+                   y[rank * per_rank:(rank + 1) * per_rank])
+
+
+def step_on_meta_default(spec, policy_kwargs, optimizer):
+    """Two steps with everything funshard makes on the default device, which is meta; the
+    same two steps with the default device left alone; the losses must agree."""
+    m = mesh(spec)
+    out = []
+    for default in ("meta", None):
+        model, batch = _model_and_batch(dist.get_world_size())
+        opt = (fs.optim.adamw(lr=1e-2, weight_decay=0.1) if optimizer == "adamw"
+               else fs.optim.sgd(lr=0.1, momentum=0.9))
+        step = fs.train_step(gpt_loss(model), opt, policy=fs.Policy(**policy_kwargs))
+        params = fs.params(model)
+        with torch.device(default) if default else _nothing():
+            state = step.init(fs.shard(params, m))
+            losses = []
+            for _ in range(2):
+                state, metrics = step(state, batch)
+                losses.append((metrics["loss"], metrics["grad_norm"]))
+            full = fs.unshard(state.params)
+        assert all(v.device.type == "cpu" for v in full.values())
+        out.append((losses, {k: v.clone() for k, v in full.items()}))
+    (meta_losses, meta_full), (losses, full) = out
+    err = max((meta_full[k] - full[k]).abs().max().item() for k in full)
+    return meta_losses == losses, err
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+@pytest.mark.parametrize("policy", list(POLICIES), ids=str)
+def test_step_makes_nothing_on_the_default_device(pools, spec, policy):
+    for rank, (same, err) in enumerate(pools.run(spec, step_on_meta_default,
+                                                 POLICIES[policy], "adamw")):
+        assert same and err == 0.0, (rank, same, err)
+
+
+def functions_on_meta_default(spec):
+    """shard / unshard (and its backward) / reshard / reduce_grads / state_dict kinds and
+    their inverses, with the default device on meta: every result lives on the CPU."""
+    m = mesh(spec)
+    model, _ = _model_and_batch(dist.get_world_size())
+    params = fs.params(model)
+    with torch.device("meta"):
+        sp = fs.shard(params, m)
+        full = fs.unshard(sp)
+        sum(v.float().pow(2).sum() for v in full.values()).backward()
+        back = fs.reshard(full, like=sp)
+        grads = fs.reduce_grads({k: torch.ones_like(v) for k, v in full.items()}, like=sp)
+        sds = {kind: fs.state_dict(sp, kind=kind) for kind in ("full", "sharded", "local")}
+        loaded = {kind: fs.load_state_dict(sd, like=sp) for kind, sd in sds.items()}
+    devices = {t.device.type for tree in (sp, full, back, grads, *loaded.values())
+               for t in fs.pytree.leaves(tree)}
+    devices |= {v.grad.device.type for v in sp.values()}
+    same = all(torch.equal(fs.unshard(tree)[k], params[k].detach())
+               for tree in (back, *loaded.values()) for k in params)
+    return devices, same
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+def test_functions_make_nothing_on_the_default_device(pools, spec):
+    for rank, (devices, same) in enumerate(pools.run(spec, functions_on_meta_default)):
+        assert devices == {"cpu"} and same, (rank, devices, same)
+
+
+def _cpu_default(fn):
+    """``fn`` with the default device back on the CPU: torch.distributed.checkpoint's own
+    internals make tensors on the default device; they are torch's, not funshard's."""
+    def wrapped(*args, **kwargs):
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def checkpoint_on_meta_default(spec, path):
+    import torch.distributed.checkpoint as dcp
+
+    m = mesh(spec)
+    model, batch = _model_and_batch(dist.get_world_size())
+    step = fs.train_step(gpt_loss(model), fs.optim.adamw(lr=1e-2))
+    state = step.init(fs.shard(fs.params(model), m))
+    state, _ = step(state, batch)
+    saved = dcp.save, dcp.load
+    dcp.save, dcp.load = _cpu_default(dcp.save), _cpu_default(dcp.load)
+    try:
+        with torch.device("meta"):
+            fs.checkpoint.save(path, state)
+            back = fs.checkpoint.load(path, like=state)
+            fs.checkpoint.save(path + "_async", state, async_save=True).result()
+            sd = fs.state_dict(state, kind="full")
+    finally:
+        dcp.save, dcp.load = saved
+    devices_sd = {v.device.type for v in sd.values() if isinstance(v, torch.Tensor)}
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+               zip(fs.pytree.leaves(state.params), fs.pytree.leaves(back.params)))
+    devices = {t.device.type for t in fs.pytree.leaves(back)
+               if isinstance(t, torch.Tensor)} | devices_sd
+    return same, devices
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_checkpoint_makes_nothing_on_the_default_device(pools, spec, tmp_path):
+    for rank, (same, devices) in enumerate(
+            pools.run(spec, checkpoint_on_meta_default, str(tmp_path / "ckpt"))):
+        assert same and devices == {"cpu"}, (rank, same, devices)
