@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -66,6 +67,8 @@ def test_train_checkpoint_and_resume_on_another_world(tmp_path):
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--policy", "no-shard", "--mesh", "1x4"], "--policy no-shard replicates everything"),
         (["--resume", "--out", "/nonexistent/run"], "--resume: no complete checkpoint under"),
+        pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU here",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
     ],
 )
 def test_bad_flags_give_one_line(capsys, flags, message):

@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+import torch
 
 from funshard import checkpoint
 
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fail-at-step", type=int, default=None,
                    help="fault injection: the last rank kills itself before this step, on the "
                    "first attempt only")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to train: auto is CUDA (NCCL) when a GPU is there, else the CPU "
+                   "(gloo)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sample", type=int, default=300, help="bytes of text to sample at the end")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -108,12 +114,28 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.corpus is not None and not Path(args.corpus).is_file():
         raise UsageError(f"--corpus {args.corpus}: no such file")
     parse_mesh(args.mesh, world, args.policy)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # this node's processes
+    if device_of(args) == "cuda" and local > torch.cuda.device_count():
+        raise UsageError(
+            f"--device cuda with {local} processes here needs {local} GPUs, this machine has "
+            f"{torch.cuda.device_count()} (NCCL ranks cannot share one); use --nproc "
+            f"{torch.cuda.device_count()} or --device cpu"
+        )
     if args.resume:
         if checkpoint.latest(ckpt_dir_of(args)) is None:
             raise UsageError(f"--resume: no complete checkpoint under {ckpt_dir_of(args)}")
     corpus = load_corpus(args.corpus)
     if len(corpus) < 2 * (args.seq + 1):
         raise UsageError(f"--corpus has {len(corpus)} bytes; it needs at least {2 * args.seq + 2}")
+
+
+def device_of(args: argparse.Namespace) -> str:
+    """``"cuda"`` or ``"cpu"``: what ``--device`` resolves to on this machine."""
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
 
 
 def ckpt_dir_of(args: argparse.Namespace) -> Path:

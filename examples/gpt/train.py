@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> dict:
 def setup(args: argparse.Namespace) -> tuple[Run, fs.TrainState, tuple | None]:
     """The mesh, the model, the step and its state (from the latest checkpoint on --resume or
     after a restart); ``resumed_from`` is ``(path, step)`` or None."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = device_of(args)
     if device_type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
