@@ -35,7 +35,7 @@ from funshard.testing import CountCollectives, free_port, under_torchrun
 from funshard.testing.models import GPT, gpt_loss
 
 from corpus import get_batch, load_corpus
-from flags import UsageError, build_parser, ckpt_dir_of, parse_mesh, validate
+from flags import UsageError, build_parser, ckpt_dir_of, device_of, parse_mesh, validate
 from report import peak_rss_mb, plot, print_summary, progress
 
 
