@@ -86,6 +86,14 @@ def compute_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.
     return param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
 
 
+def check_float_dtype(dt, where: str) -> None:
+    """A compute or reduce dtype must be a floating torch.dtype (or None): casting parameters
+    or gradients to an integer dtype would truncate them silently."""
+    if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+        raise ValueError(f"{where}={dt!r} must be a floating torch.dtype (e.g. torch.bfloat16) "
+                         "or None")
+
+
 class BytePlan(NamedTuple):
     """One rank's segment of a flat all-gather buffer: leaves widest dtype first (so every
     leaf is aligned), their padded byte sizes, and the segment padded to :data:`ALIGN`."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, pytree
-from .layout import Layout, as_dtensor, describe
+from .layout import Layout, as_dtensor, check_float_dtype, describe
 from .mesh import mesh_str, replicas
 
 
@@ -31,6 +31,9 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
     Example: on 2 ranks, ``g`` of shape (7, 3) -> DTensor (7, 3), local (4, 3) / (3, 3).
     """
     comm.check_transport(transport, where="reduce_grads")
+    check_float_dtype(reduce_dtype, "reduce_grads: reduce_dtype")
+    if op not in ("mean", "sum"):
+        raise ValueError(f"reduce_grads: op={op!r}; use 'mean' or 'sum'")
     mesh, paths, likes, layouts, spec = describe(like, what="reduce_grads")
     gl = pytree.leaves_like(local_grads, like, names=("local_grads", "like"))
     for lay, g in zip(layouts, gl):

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from . import comm, pytree
-from .layout import (Layout, as_dtensor, compute_dtype, describe, local_slice,
+from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
                      placements_for)
 from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
 
@@ -136,6 +136,8 @@ def unshard(
         return pytree.unflatten(spec, [])
     shards = [d.to_local() for d in leaves]  # differentiable: grads come back as DTensors
     comm.check_transport(transport, where="unshard")
+    check_float_dtype(param_dtype, "unshard: param_dtype")
+    check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
     full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
                           reduce_dtype=reduce_dtype, transport=transport)
     return pytree.unflatten(spec, full)

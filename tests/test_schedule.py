@@ -22,7 +22,8 @@ def test_default_group_and_partition():
     assert members == [[0, 4], [1, 2], [3]]
     assert group_names(names, lambda n: n[0], None) == ["e", "l", "l", "l", "h"]
     tree = {"emb": {"w": 0}, "layers": {"0": {"a": 0, "b": 0}, "1": {"a": 0}}, "head": {"w": 0}}
-    assert group_names(None, {"emb": "x", "layers": "y", "head": "x"}, tree) == \
+    names = ["emb.w", "layers.0.a", "layers.0.b", "layers.1.a", "head.w"]
+    assert group_names(names, {"emb": "x", "layers": "y", "head": "x"}, tree) == \
         ["x", "y", "y", "y", "x"]
     assert default_group("a.b") == ""
 

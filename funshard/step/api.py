@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from .. import comm, pytree
+from ..layout import check_float_dtype
 from ..mesh import mesh_str
 from ..reduce import first_nonfinite, local_sq_norm
 from . import lazy
@@ -81,14 +83,24 @@ class Policy:
     transport: str = "auto"
 
     def __post_init__(self):
-        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+        for name in ("reshard_after_forward", "prefetch", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Policy: {name}={getattr(self, name)!r} must be True or False")
+        if (isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int)
+                or self.accumulate < 1):
             raise ValueError(f"Policy: accumulate={self.accumulate!r} must be an int >= 1")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"Policy: clip_norm={self.clip_norm!r} must be > 0 (or None)")
+        if self.clip_norm is not None and (
+                isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float))
+                or not 0 < self.clip_norm < math.inf):
+            raise ValueError(f"Policy: clip_norm={self.clip_norm!r} must be a number > 0 "
+                             "(or None)")
         for name in ("param_dtype", "reduce_dtype"):
-            dt = getattr(self, name)
-            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
-                raise ValueError(f"Policy: {name}={dt!r} must be a floating torch.dtype or None")
+            check_float_dtype(getattr(self, name), f"Policy: {name}")
+        if not (self.groups is None or callable(self.groups)
+                or isinstance(self.groups, (str, dict, list, tuple))):
+            raise TypeError(
+                f"Policy: groups={self.groups!r:.60} must be None, a callable fqn -> group "
+                "name, or a prefix tree (dict / list / tuple) of group names")
         comm.check_transport(self.transport, where="Policy")
 
 
@@ -166,10 +178,12 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                   record=record and j == 0)
         tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
         try:
-            with saved_tensors_hooks(run.saved.pack, run.saved.unpack):
+            # a training step computes gradients, under torch.no_grad() too
+            with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack):
                 loss, aux = _loss_of(loss_fn(tree, mb))
             run.end_forward()
-            if loss.requires_grad:
+            _check_differentiable(loss)
+            with torch.enable_grad():
                 (loss / k).backward()
         finally:
             run.finish()
@@ -185,6 +199,51 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     for r in runs:
         r.release()
     return _Grads(grads, loss_sum, aux_all, peaks)
+
+
+class _Returned:
+    """Step count of the state last returned, per tree, keyed by its first leaf's identity
+    (tensors compare elementwise, so not a WeakKeyDictionary); dead trees are dropped."""
+
+    def __init__(self):
+        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
+
+    def put(self, leaf: torch.Tensor, step: int) -> None:
+        self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items() if r() is not None}
+        self._by_id[id(leaf)] = (weakref.ref(leaf), step)
+
+    def get(self, leaf: torch.Tensor) -> int | None:
+        ref, step = self._by_id.get(id(leaf), (None, None))
+        return step if ref is not None and ref() is leaf else None
+
+
+def _check_differentiable(loss: torch.Tensor) -> None:
+    if not loss.requires_grad:
+        raise ValueError(
+            "train_step: the loss does not require grad, so the step would change nothing: "
+            "loss_fn returned a detached loss (loss.detach(), .item(), a new tensor) or one "
+            "that no trainable parameter reaches. Return the loss as computed from params."
+        )
+
+
+def _check_trained(params: ParamGroups, grads: list) -> None:
+    """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
+    if any(params.trainable) and all(g is None for g in grads):
+        raise ValueError(
+            "train_step: no trainable parameter received a gradient: the loss does not depend "
+            f"on any of the {sum(params.trainable)} trainable parameters (only on frozen ones, "
+            "or on none). Compute the loss from the params loss_fn is given."
+        )
+
+
+def _empty_batch(batch: Any) -> str:
+    """'' or a note naming this rank's first empty batch leaf."""
+    paths, leaves, _ = pytree.flatten_with_path(batch)
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == 0:
+            return (f"; this rank's batch[{pytree.fqn(p)!r}] is empty (shape "
+                    f"{tuple(x.shape)}): the mean of no samples is NaN")
+    return ""
 
 
 def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
@@ -226,6 +285,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     if not isinstance(policy, Policy):
         raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
+    # Donation: a state's parameters are updated in place, so the step remembers, per tree
+    # (keyed by its first leaf), the step count of the state it last returned; a state with
+    # another count is an old, donated one.
+    returned = _Returned()
 
     def groups_for(params: Tree) -> ParamGroups:
         leaves, spec = pytree.flatten(params)
@@ -236,21 +299,50 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
 
     def init(params: Tree) -> TrainState:
         groups_for(params)
-        return TrainState(params, optimizer.init(params), 0)
+        state = TrainState(params, optimizer.init(params), 0)
+        _remember(state)
+        return state
+
+    def _remember(state: TrainState) -> TrainState:
+        leaves = pytree.flatten(state.params)[0]
+        if leaves:
+            returned.put(leaves[0], state.step)
+        return state
+
+    def _check_not_donated(state: TrainState, leaves: list) -> None:
+        last = returned.get(leaves[0]) if leaves else None
+        if last is not None and state.step != last:
+            raise ValueError(
+                f"train_step: this TrainState (step {state.step}) was donated to an earlier call "
+                f"of this step, which updated its parameters and optimizer state in place and "
+                f"returned the state at step {last}; use the state it returned: "
+                "state, metrics = step(state, batch)."
+            )
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("train_step: called under torch.inference_mode(), where no "
+                               "gradient can be computed; call it outside.")
         params = groups_for(state.params)
         leaves = pytree.flatten(state.params)[0]
+        _check_not_donated(state, leaves)
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
         out = _micro_batches(loss_fn, params, shards, policy, batch)
+        _check_trained(params, out.grads)
         metrics, present = _metrics(params, out, policy.accumulate)
         grads, norm = out.grads, metrics["grad_norm"]
-        if not math.isfinite(norm):
-            if policy.skip_nonfinite:  # every rank sees the same norm: all skip together
-                return TrainState(state.params, state.opt_state, state.step + 1), {
+        if not (math.isfinite(norm) and math.isfinite(metrics["loss"])):
+            if policy.skip_nonfinite:  # every rank sees the same values: all skip together
+                return _remember(TrainState(state.params, state.opt_state, state.step + 1)), {
                     **metrics, "skipped": 1}
-            _raise_nonfinite(params, grads, present, state.step)
+            if not math.isfinite(norm):
+                _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
+            raise FloatingPointError(
+                f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
+                f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
+                "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
+                "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
         if policy.clip_norm is not None and present:
             coef = min(1.0, policy.clip_norm / (norm + 1e-6))
             if coef < 1.0:
@@ -258,12 +350,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
         new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
                                                  step=state.step)
-        return TrainState(new_params, opt_state, state.step + 1), metrics
+        return _remember(TrainState(new_params, opt_state, state.step + 1)), metrics
 
     return TrainStep(init, apply)
 
 
-def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int) -> None:
+def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
+                     note: str) -> None:
     """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
     hits = [present[j] for j in first_nonfinite([grads[i] for i in present], params.mesh)]
     lay = params.layouts[hits[0]] if hits else None
@@ -271,7 +364,7 @@ def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step:
              f"{mesh_str(params.mesh)})" if lay else "the loss")
     raise FloatingPointError(
         f"train_step: {where} is not finite (NaN or inf) at step {step}"
-        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}. The parameters and "
+        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}{note}. The parameters and "
         "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
         "fs.Policy(skip_nonfinite=True) to skip such steps."
     )

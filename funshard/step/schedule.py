@@ -36,8 +36,27 @@ def group_names(names: Sequence[str], groups: Any, tree: Any) -> list[str]:
     if groups is None:
         return [default_group(n) for n in names]
     if callable(groups):
-        return [groups(n) for n in names]
-    return pytree.broadcast_prefix(groups, tree, name="Policy.groups")
+        return [_call_groups(groups, n) for n in names]
+    out = pytree.broadcast_prefix(groups, tree, name="Policy.groups")
+    for n, g in zip(names, out):
+        _check_group_name(g, n)
+    return out
+
+
+def _call_groups(groups: Callable, fqn: str) -> str:
+    try:
+        g = groups(fqn)
+    except Exception as e:
+        raise ValueError(f"Policy.groups raised for parameter {fqn!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    _check_group_name(g, fqn)
+    return g
+
+
+def _check_group_name(g: Any, fqn: str) -> None:
+    if not isinstance(g, str):
+        raise TypeError(f"Policy.groups gave {g!r:.60} for parameter {fqn!r}; group names "
+                        "are strings (e.g. 'layers.3')")
 
 
 def partition(gnames: Sequence[str]) -> tuple[list[str], list[list[int]]]:

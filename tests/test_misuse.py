@@ -1,0 +1,180 @@
+"""Misuse is loud: what would train wrong, or not at all, raises on every rank with a message
+that names the cause and the fix, and leaves the state as it was."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funshard as fs
+from funshard.testing import capture, mesh
+from funshard.testing.models import MLP, mse_loss
+
+
+def _setup(spec, seed=0, **policy):
+    m = mesh(spec)
+    torch.manual_seed(seed)
+    model = MLP(dim=5, hidden=7, layers=2, out=3)
+    step = fs.train_step(mse_loss(model), fs.optim.adamw(lr=1e-2), policy=fs.Policy(**policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    g = torch.Generator().manual_seed(seed + 1 + dist.get_rank())
+    batch = (torch.randn(2, 5, generator=g), torch.randn(2, 3, generator=g))
+    return model, step, state, batch
+
+
+def _locals(state):
+    return {k: v.to_local().clone() for k, v in state.params.items()}
+
+
+def _unchanged(before, state):
+    return all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+
+
+def step_misuse(spec):
+    """Each probe: (exception type, message, the parameters unchanged)."""
+    model, step, state, batch = _setup(spec)
+    out = {}
+
+    def probe(name, fn, st):
+        before = _locals(st)
+        out[name] = (*capture(fn), _unchanged(before, st))
+
+    state2, _ = step(state, batch)
+    probe("donated", lambda: step(state, batch), state2)
+    state3, _ = step(state2, batch)  # the returned state goes on training
+    out["after_donated"] = state3.step
+
+    def loss_of(fn):
+        return fs.train_step(fn, fs.optim.adamw(lr=1e-2))
+
+    detached = loss_of(lambda p, b: mse_loss(model)(p, b).detach())
+    probe("detached", lambda: detached(detached.init(state3.params), batch), state3)
+    constant = loss_of(lambda p, b: (b[0] * torch.ones(5, requires_grad=True)).sum())
+    probe("no_params", lambda: constant(constant.init(state3.params), batch), state3)
+    nan_loss = loss_of(lambda p, b: mse_loss(model)(p, b) + float("nan"))
+    probe("nan_loss", lambda: nan_loss(nan_loss.init(state3.params), batch), state3)
+
+    def inference():
+        with torch.inference_mode():
+            return step(state3, batch)
+    probe("inference_mode", inference, state3)
+    return out
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+def test_step_misuse_raises_everywhere(pools, spec):
+    for rank, r in enumerate(pools.run(spec, step_misuse)):
+        t, msg, unchanged = r["donated"]
+        assert t == "ValueError" and "was donated" in msg and "step 0" in msg, (rank, msg)
+        assert "returned the state at step 1" in msg and unchanged
+        assert r["after_donated"] == 2
+        t, msg, unchanged = r["detached"]
+        assert t == "ValueError" and "does not require grad" in msg and unchanged, msg
+        t, msg, unchanged = r["no_params"]
+        assert t == "ValueError" and "no trainable parameter received a gradient" in msg, msg
+        assert unchanged
+        t, msg, unchanged = r["nan_loss"]
+        assert t == "FloatingPointError" and "the loss is nan" in msg and unchanged, msg
+        assert "skip_nonfinite=True" in msg
+        t, msg, unchanged = r["inference_mode"]
+        assert t == "RuntimeError" and "inference_mode" in msg and unchanged, msg
+
+
+def no_grad_trains(spec):
+    """Under torch.no_grad() the step trains exactly as outside it."""
+    results = []
+    for ctx in (torch.no_grad, torch.enable_grad):
+        _, step, state, batch = _setup(spec)
+        with ctx():
+            state, metrics = step(state, batch)
+        results.append((metrics["loss"], _locals(state)))
+    (l0, p0), (l1, p1) = results
+    return l0 == l1 and all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_step_under_no_grad_trains(pools, spec):
+    assert all(pools.run(spec, no_grad_trains))
+
+
+def empty_batch(spec):
+    """Rank 1's local batch is empty: every rank raises, naming the empty batch on the rank
+    that has it; no NaN update is applied."""
+    _, step, state, batch = _setup(spec)
+    if dist.get_rank() == 1:
+        batch = (batch[0][:0], batch[1][:0])
+    before = _locals(state)
+    t, msg = capture(lambda: step(state, batch))
+    return t, msg, _unchanged(before, state)
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_empty_local_batch_raises_on_every_rank(pools, spec):
+    for rank, (t, msg, unchanged) in enumerate(pools.run(spec, empty_batch)):
+        assert t == "FloatingPointError" and unchanged, (rank, t, msg)
+        assert ("batch['0'] is empty" in msg) == (rank == 1), (rank, msg)
+        assert "empty local batch" in msg
+
+
+def empty_batch_skipped(spec):
+    _, step, state, batch = _setup(spec, skip_nonfinite=True)
+    if dist.get_rank() == 1:
+        batch = (batch[0][:0], batch[1][:0])
+    before = _locals(state)
+    state, metrics = step(state, batch)
+    return metrics["skipped"], state.step, _unchanged(before, state)
+
+
+def test_empty_local_batch_skipped_with_skip_nonfinite(pools):
+    for r in pools.run(2, empty_batch_skipped):
+        assert r == (1, 1, True), r
+
+
+def option_misuse(spec):
+    m = mesh(spec)
+    sp = fs.shard({"w": torch.randn(4, 3), "layers.0.b": torch.randn(3)}, m)
+    cases = {
+        "unshard_int": lambda: fs.unshard(sp, param_dtype=torch.int32),
+        "unshard_reduce_int": lambda: fs.unshard(sp, reduce_dtype=torch.int64),
+        "reduce_int": lambda: fs.reduce_grads({"w": torch.ones(4, 3), "layers.0.b": None},
+                                              like=sp, reduce_dtype=torch.int8),
+        "reduce_op": lambda: fs.reduce_grads({"w": torch.ones(4, 3), "layers.0.b": None},
+                                             like=sp, op="max"),
+        "raf_str": lambda: fs.Policy(reshard_after_forward="no"),
+        "dtype_str": lambda: fs.Policy(param_dtype="bf16"),
+        "clip_bool": lambda: fs.Policy(clip_norm=True),
+        "clip_inf": lambda: fs.Policy(clip_norm=float("inf")),
+        "prefetch_int": lambda: fs.Policy(prefetch=1),
+        "accumulate_bool": lambda: fs.Policy(accumulate=True),
+        "groups_int": lambda: fs.Policy(groups=3),
+        "transport": lambda: fs.Policy(transport="nccl"),
+        "groups_raises": lambda: fs.train_step(lambda p, b: 0, fs.optim.sgd(lr=0.1),
+                                               policy=fs.Policy(groups=lambda n: {}[n])).init(sp),
+        "groups_not_str": lambda: fs.train_step(lambda p, b: 0, fs.optim.sgd(lr=0.1),
+                                                policy=fs.Policy(groups=lambda n: 3)).init(sp),
+    }
+    return {k: capture(fn) for k, fn in cases.items()}
+
+
+EXPECT = {
+    "unshard_int": ("ValueError", "unshard: param_dtype=torch.int32 must be a floating"),
+    "unshard_reduce_int": ("ValueError", "unshard: reduce_dtype=torch.int64 must be a floating"),
+    "reduce_int": ("ValueError", "reduce_grads: reduce_dtype=torch.int8 must be a floating"),
+    "reduce_op": ("ValueError", "reduce_grads: op='max'; use 'mean' or 'sum'"),
+    "raf_str": ("TypeError", "Policy: reshard_after_forward='no' must be True or False"),
+    "dtype_str": ("ValueError", "Policy: param_dtype='bf16' must be a floating torch.dtype"),
+    "clip_bool": ("ValueError", "Policy: clip_norm=True must be a number > 0"),
+    "clip_inf": ("ValueError", "Policy: clip_norm=inf must be a number > 0"),
+    "prefetch_int": ("TypeError", "Policy: prefetch=1 must be True or False"),
+    "accumulate_bool": ("ValueError", "Policy: accumulate=True must be an int >= 1"),
+    "groups_int": ("TypeError", "Policy: groups=3 must be None, a callable"),
+    "transport": ("ValueError", "Policy: transport='nccl'; use one of"),
+    "groups_raises": ("ValueError", "Policy.groups raised for parameter 'w': KeyError"),
+    "groups_not_str": ("TypeError", "Policy.groups gave 3 for parameter 'w'"),
+}
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_options_are_validated(pools, spec):
+    for rank, got in enumerate(pools.run(spec, option_misuse)):
+        for name, (t, text) in EXPECT.items():
+            assert got[name][0] == t and text in got[name][1], (rank, name, got[name])
