@@ -178,3 +178,56 @@ def test_options_are_validated(pools, spec):
     for rank, got in enumerate(pools.run(spec, option_misuse)):
         for name, (t, text) in EXPECT.items():
             assert got[name][0] == t and text in got[name][1], (rank, name, got[name])
+
+
+def disagreeing_init(spec, what):
+    """One rank was given something else: every rank raises the same error at init."""
+    m = mesh(spec)
+    rank = dist.get_rank()
+    torch.manual_seed(rank if what == "unseeded" else 0)
+    hidden = 8 if (what == "shape" and rank == 1) else 7
+    model = MLP(dim=5, hidden=hidden, layers=2, out=3)
+    params = fs.params(model)
+    policy = {}
+    if what == "policy" and rank == 1:
+        policy = {"param_dtype": torch.bfloat16}
+    if what == "groups" and rank == 1:
+        policy = {"groups": lambda n: "all"}
+    if what == "replicated":  # a 0-d leaf is replicated on every rank
+        params = {**params, "scale": torch.tensor(float(rank))}
+    step = fs.train_step(mse_loss(model), fs.optim.sgd(lr=0.1), policy=fs.Policy(**policy))
+    return capture(lambda: step.init(fs.shard(params, m)))
+
+
+DISAGREE = {
+    "shape": ("2", "ranks disagree on parameter 'inp.weight': rank 0 has shape (7, 5)"),
+    "policy": ("2", "ranks disagree on Policy.param_dtype: rank 0 has None, rank 1 has "
+                    "torch.bfloat16"),
+    "groups": ("2", "rank 1 has shape (7, 5), torch.float32, trainable, group 'all'"),
+    "unseeded": ("2x2", "differs between rank 0 and rank 2 (the same shard on two replicas"),
+    "replicated": ("2", "parameter 'scale' (shape ()) differs between rank 0 and rank 1 "
+                        "(a replicated parameter"),
+}
+
+
+@pytest.mark.parametrize("what", list(DISAGREE))
+def test_ranks_agree_at_init(pools, what):
+    spec, text = DISAGREE[what]
+    spec = int(spec) if spec.isdigit() else spec
+    results = pools.run(spec, disagreeing_init, what)
+    for rank, (t, msg) in enumerate(results):
+        assert t == "ValueError" and text in msg, (rank, msg)
+        assert msg == results[0][1]  # the same message on every rank
+
+
+def seeded_1d_any_values(spec):
+    """A 1-D mesh: each rank keeps its own rows, so differently seeded ranks still make one
+    consistent model; nothing to refuse."""
+    torch.manual_seed(dist.get_rank())
+    model = MLP(dim=5, hidden=7, layers=2, out=3)
+    step = fs.train_step(mse_loss(model), fs.optim.sgd(lr=0.1))
+    return capture(lambda: step.init(fs.shard(fs.params(model), mesh(spec))))
+
+
+def test_one_dimensional_mesh_accepts_any_sharded_values(pools):
+    assert pools.run(2, seeded_1d_any_values) == [(None, "no error")] * 2

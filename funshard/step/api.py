@@ -36,7 +36,7 @@ from .. import comm, pytree
 from ..layout import check_float_dtype
 from ..mesh import mesh_str
 from ..reduce import first_nonfinite, local_sq_norm
-from . import lazy
+from . import agree, lazy
 from .params import ParamGroups
 from .run import Run
 
@@ -298,7 +298,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         return cache[key]
 
     def init(params: Tree) -> TrainState:
-        groups_for(params)
+        groups = groups_for(params)
+        agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
+                    where="train_step.init")
         state = TrainState(params, optimizer.init(params), 0)
         _remember(state)
         return state

@@ -1,0 +1,89 @@
+"""Ranks agree before they compute: one small collective when a step is initialised.
+
+Every rank describes what it was given (the mesh, the Policy, each parameter's path, shape,
+dtype, trainability and group) and a checksum of each local shard; ranks compare the
+descriptions with rank 0's, and the checksums of ranks that must hold the same values (the
+same shard on every replica; replicated leaves everywhere). A mismatch is the same
+ValueError on every rank, naming the first difference and both values, before any step
+could read memory of the wrong size or let replicas drift apart silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import SHARD, mesh_str
+
+
+def describe(params, policy) -> list[tuple[str, str]]:
+    """``(what, value)`` pairs every rank must have alike."""
+    out = [("the mesh", mesh_str(params.mesh))]
+    for f in dataclasses.fields(policy):
+        if f.name != "groups":  # compared as each parameter's group below
+            out.append((f"Policy.{f.name}", repr(getattr(policy, f.name))))
+    out.append(("the number of parameters", str(len(params.layouts))))
+    for i, lay in enumerate(params.layouts):
+        out.append((f"parameter {lay.path!r}",
+                    f"shape {tuple(lay.shape)}, {lay.dtype}, "
+                    f"{'trainable' if params.trainable[i] else 'frozen'}, "
+                    f"group {params.names[params.group_of[i]]!r}"))
+    return out
+
+
+def checksums(shards: list[torch.Tensor]) -> list[str]:
+    """A cheap fingerprint of each local shard's values (sum and sum of squares, float64),
+    computed on its device with one host sync for all of them."""
+    if not shards:
+        return []
+    sums = torch.stack([torch.stack([x.sum(), (x * x).sum()]) for x in
+                        (s.detach().reshape(-1).double() for s in shards)])
+    return [f"{a!r}/{b!r}" for a, b in sums.tolist()]
+
+
+def check(params, policy, shards: list[torch.Tensor], *, where: str) -> None:
+    """Raise the same ValueError on every rank unless all ranks were given the same tree,
+    Policy and mesh, and ranks that hold the same values do."""
+    if params.world == 1:
+        return
+    mine = (describe(params, policy), checksums(shards),
+            params.mesh.get_local_rank(SHARD))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    _compare_descriptions(every, where)
+    _compare_values(every, params, where)
+
+
+def _compare_descriptions(every: list, where: str) -> None:
+    first = every[0][0]
+    for rank, (desc, _, _) in enumerate(every):
+        for j in range(max(len(first), len(desc))):
+            a = first[j] if j < len(first) else ("nothing", "-")
+            b = desc[j] if j < len(desc) else ("nothing", "-")
+            if a != b:
+                what = a[0] if a[0] == b[0] else f"{a[0]} / {b[0]}"
+                raise ValueError(
+                    f"{where}: ranks disagree on {what}: rank 0 has {a[1]}, rank {rank} has "
+                    f"{b[1]}. Every rank must build the same model and Policy on the same mesh."
+                )
+
+
+def _compare_values(every: list, params, where: str) -> None:
+    for i, lay in enumerate(params.layouts):
+        seen: dict[int, tuple[int, str]] = {}  # shard coordinate -> (rank, checksum)
+        for rank, (_, sums, coord) in enumerate(every):
+            key = coord if lay.sharded else 0
+            if key not in seen:
+                seen[key] = (rank, sums[i])
+            elif seen[key][1] != sums[i]:
+                whom = ("the same shard on two replicas" if lay.sharded
+                        else "a replicated parameter")
+                raise ValueError(
+                    f"{where}: parameter {lay.path!r} (shape {tuple(lay.shape)}) differs "
+                    f"between rank {seen[key][0]} and rank {rank} ({whom} of "
+                    f"{mesh_str(params.mesh)}): the ranks start from different values and "
+                    "would drift apart. Seed the initialisation alike on every rank "
+                    "(torch.manual_seed before building the model) or load the same weights."
+                )
