@@ -6,7 +6,9 @@
     >>> full = fs.unshard(sparams)
 """
 
-from . import checkpoint, comm, layout, mesh, optim, pytree, step
+__version__ = "0.2.0"
+
+from . import checkpoint, comm, layout, mesh, optim, plan, pytree, step, testing
 from .comm import CollectiveTimeout
 from .mesh import make_mesh
 from .pytree import params
@@ -16,6 +18,7 @@ from .state_dict import load_state_dict, state_dict
 from .step import Policy, TrainState, TrainStep, train_step
 
 __all__ = [
+    "__version__",
     "CollectiveTimeout",
     "Policy",
     "TrainState",
@@ -28,12 +31,14 @@ __all__ = [
     "mesh",
     "optim",
     "params",
+    "plan",
     "pytree",
     "reduce_grads",
     "reshard",
     "shard",
     "state_dict",
     "step",
+    "testing",
     "train_step",
     "unshard",
 ]
