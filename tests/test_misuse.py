@@ -231,3 +231,76 @@ def seeded_1d_any_values(spec):
 
 def test_one_dimensional_mesh_accepts_any_sharded_values(pools):
     assert pools.run(2, seeded_1d_any_values) == [(None, "no error")] * 2
+
+
+# -- what the step cannot make correct yet is refused by name, never trained wrong ---------
+
+
+def unsupported(spec, what):
+    """loss_fn does something whose result the stand-in cannot make equal to one process."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    tree = fs.params(model)
+
+    def out(p, x):
+        return torch.func.functional_call(model, p, (x,))
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            ctx.save_for_backward(a)
+            return a @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            return None, g.t() @ a
+
+    def in_place(p, b):
+        p["2.bias" if what == "in_place" else "0.bias"].add_(1.0)
+        return torch.nn.functional.mse_loss(out(p, b[0]), b[1])
+
+    losses = {
+        "checkpoint": lambda p, b: torch.nn.functional.mse_loss(
+            checkpoint(lambda x: out(p, x), b[0], use_reentrant=False), b[1]),
+        "checkpoint_reentrant": lambda p, b: torch.nn.functional.mse_loss(
+            checkpoint(lambda x: out(p, x), b[0].requires_grad_(), use_reentrant=True), b[1]),
+        "custom_function": lambda p, b: Mul.apply(b[0], p["0.weight"]).pow(2).mean(),
+        "in_place": in_place,
+        "in_place_frozen": in_place,
+        "batchnorm_buffers": lambda p, b: torch.nn.functional.mse_loss(out(p, b[0]), b[1]),
+    }
+    if what == "in_place_frozen":
+        model[0].bias.requires_grad_(False)
+        tree = fs.params(model)
+    if what == "batchnorm_buffers":
+        tree = {**tree, "1.running_mean": model[1].running_mean,
+                "1.running_var": model[1].running_var}
+    step = fs.train_step(losses[what], fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(tree, m))
+    before = _locals(state)
+    g = torch.Generator().manual_seed(1)
+    t, msg = capture(lambda: step(state, (torch.randn(4, 4, generator=g),
+                                          torch.randn(4, 2, generator=g))))
+    return t, msg, _unchanged(before, state)
+
+
+UNSUPPORTED = {
+    "checkpoint": "parameter '0.weight' was used under saved-tensor hooks other than the step's",
+    "checkpoint_reentrant": "parameter '0.weight' was used under torch.no_grad()",
+    "custom_function": "a custom torch.autograd.Function's forward",
+    "in_place": "loss_fn wrote into parameter '2.bias' in place",
+    "in_place_frozen": "loss_fn wrote into parameter '0.bias' in place",
+    "batchnorm_buffers": "'1.running_mean' is a BatchNorm running statistic",
+}
+
+
+@pytest.mark.parametrize("what", list(UNSUPPORTED))
+def test_unsupported_is_refused_by_name(pools, what):
+    for rank, (t, msg, unchanged) in enumerate(pools.run(2, unsupported, what)):
+        assert t in ("NotImplementedError", "RuntimeError"), (rank, t, msg)
+        assert UNSUPPORTED[what] in msg and unchanged, (rank, msg)

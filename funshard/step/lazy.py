@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import optree
 import torch
+import torch.nn.functional as F
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -44,13 +45,29 @@ class LazyParam(torch.Tensor):
                 return func(*args, **kwargs)
         flat, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         lazies = [x for x in flat if isinstance(x, LazyParam)]
-        if lazies:
-            run = lazies[0]._run
-            run.use([x._gi for x in lazies], new_op=True)
-            flat = [run.groups[x._gi].fulls[x._k] if isinstance(x, LazyParam) else x
-                    for x in flat]
-            args, kwargs = optree.tree_unflatten(spec, flat)
-        return func(*args, **kwargs)
+        if not lazies:
+            return func(*args, **kwargs)
+        run = lazies[0]._run
+        if not run.backward and func is not torch.Tensor.detach:
+            _refuse_unsupported(run, lazies)
+        run.use([x._gi for x in lazies], new_op=True)
+        if func is F.batch_norm:
+            _refuse_running_stats(args, kwargs)
+        flat = [run.groups[x._gi].fulls[x._k] if isinstance(x, LazyParam) else x
+                for x in flat]
+        used = [(x, run.groups[x._gi].fulls[x._k]) for x in lazies]
+        versions = [f._version for _, f in used]
+        args, kwargs = optree.tree_unflatten(spec, flat)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:  # autograd forbids writing into a trainable one
+            if "modified inplace" in str(e):
+                raise _in_place_error(lazies[0], func) from e
+            raise
+        for (x, f), v in zip(used, versions):
+            if f._version != v:
+                raise _in_place_error(x, func)
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -61,6 +78,64 @@ class LazyParam(torch.Tensor):
 
     def __repr__(self):
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
+
+
+def _path(x: LazyParam) -> str:
+    return x._run.params.layouts[x._run.params.members[x._gi][x._k]].path
+
+
+# torch's stack of saved-tensor hooks (private; present in every supported torch)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _refuse_unsupported(run, lazies: list[LazyParam]) -> None:
+    """What the stand-in cannot make correct yet is refused by name, not trained wrong:
+    activation checkpointing inside ``loss_fn`` (its recompute in backward would run the
+    module's own, stale weights and give the parameters no gradient)."""
+    hooks = _top_hooks(False) if _top_hooks is not None else None
+    if hooks is not None and getattr(hooks[0], "__self__", None) is not run.saved:
+        what = "saved-tensor hooks other than the step's (torch.utils.checkpoint with "
+        what += "use_reentrant=False, selective checkpointing, or saved_tensors_hooks)"
+    elif not torch.is_grad_enabled() and any(x.requires_grad for x in lazies):
+        what = ("torch.no_grad() (as torch.utils.checkpoint with use_reentrant=True, "
+                "gradient_checkpointing_enable() and a custom torch.autograd.Function's "
+                "forward run)")
+    else:
+        return
+    raise NotImplementedError(
+        f"train_step: parameter {_path(lazies[0])!r} was used under {what}. Activation "
+        "checkpointing inside loss_fn is not supported yet: its recompute in backward would "
+        "read the module's own weights, not the step's, and train wrong; a custom autograd "
+        "Function would take the parameter past the step's gradient reduction. Turn "
+        "checkpointing off (e.g. model.gradient_checkpointing_disable()); to use a parameter "
+        "without its gradient, use p.detach()."
+    )
+
+
+def _in_place_error(x: LazyParam, func) -> RuntimeError:
+    return RuntimeError(
+        f"train_step: loss_fn wrote into parameter {_path(x)!r} in place "
+        f"({getattr(func, '__name__', func)}); inside the step a parameter is a gathered "
+        "copy, so the write would be lost. Compute out of place, and keep buffers out of the "
+        "tree given to fs.shard."
+    )
+
+
+def _refuse_running_stats(args: tuple, kwargs: dict) -> None:
+    """F.batch_norm updates its running statistics in place without a version bump: a
+    stand-in passed there in training would lose the update silently."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training")
+    bound = {**dict(zip(names, args)), **kwargs}
+    stats = [x for x in (bound.get("running_mean"), bound.get("running_var"))
+             if isinstance(x, LazyParam)]
+    if stats and bound.get("training", False):
+        raise NotImplementedError(
+            f"train_step: {_path(stats[0])!r} is a BatchNorm running statistic in the tree "
+            "given to fs.shard; batch_norm updates it in place in training, and inside the "
+            "step it is a gathered copy, so the update would be lost. Keep buffers out of the "
+            "sharded tree (fs.params(model) has parameters only); funshard does not carry "
+            "buffers yet."
+        )
 
 
 def stand_ins(run, params, shards: list[torch.Tensor]) -> list[LazyParam]:
