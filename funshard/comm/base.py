@@ -81,7 +81,8 @@ class Gathered:
             with watch("all-gather", None):
                 self._work.wait()
             self._work = None
-        padded, self._finish = self._finish(), None
+        with torch.no_grad():
+            padded, self._finish = self._finish(), None
         return [p if p.shape[0] == lay.rows else p[: lay.rows]
                 for p, lay in zip(padded, self._layouts)]
 

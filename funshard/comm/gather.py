@@ -78,6 +78,8 @@ def all_gather(
     world = layouts[bp.order[0]].world
     pg = process_groups(mesh)[0] if world > 1 else None
     impl = choose(transport, pg, device)
-    with watch("all-gather", mesh, SHARD):
+    # moving bytes is never differentiated (the step's Gather node is); a gather in backward
+    # runs with grad mode on and may copy from shards that require grad
+    with watch("all-gather", mesh, SHARD), torch.no_grad():
         return impl.all_gather(layouts, shards, dtypes, pg, into, device, async_op)
 
