@@ -201,20 +201,31 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     return _Grads(grads, loss_sum, aux_all, peaks)
 
 
-class _Returned:
-    """Step count of the state last returned, per tree, keyed by its first leaf's identity
-    (tensors compare elementwise, so not a WeakKeyDictionary); dead trees are dropped."""
+class _Donations:
+    """Donation, enforced: a state's parameters are updated in place, so the step remembers,
+    per tree (keyed by its first leaf's identity: tensors compare elementwise), the step
+    count of the state it last returned; a state with another count is an old, donated one.
+    Trees that died are dropped."""
 
     def __init__(self):
         self._by_id: dict[int, tuple[weakref.ref, int]] = {}
 
-    def put(self, leaf: torch.Tensor, step: int) -> None:
-        self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items() if r() is not None}
-        self._by_id[id(leaf)] = (weakref.ref(leaf), step)
+    def remember(self, state: TrainState) -> TrainState:
+        leaves = pytree.flatten(state.params)[0]
+        if leaves:
+            self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items() if r() is not None}
+            self._by_id[id(leaves[0])] = (weakref.ref(leaves[0]), state.step)
+        return state
 
-    def get(self, leaf: torch.Tensor) -> int | None:
-        ref, step = self._by_id.get(id(leaf), (None, None))
-        return step if ref is not None and ref() is leaf else None
+    def check(self, state: TrainState, leaves: list) -> None:
+        ref, last = self._by_id.get(id(leaves[0]), (None, None)) if leaves else (None, None)
+        if ref is not None and ref() is leaves[0] and state.step != last:
+            raise ValueError(
+                f"train_step: this TrainState (step {state.step}) was donated to an earlier call "
+                f"of this step, which updated its parameters and optimizer state in place and "
+                f"returned the state at step {last}; use the state it returned: "
+                "state, metrics = step(state, batch)."
+            )
 
 
 def _check_differentiable(loss: torch.Tensor) -> None:
@@ -285,10 +296,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     if not isinstance(policy, Policy):
         raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
-    # Donation: a state's parameters are updated in place, so the step remembers, per tree
-    # (keyed by its first leaf), the step count of the state it last returned; a state with
-    # another count is an old, donated one.
-    returned = _Returned()
+    donations = _Donations()
 
     def groups_for(params: Tree) -> ParamGroups:
         leaves, spec = pytree.flatten(params)
@@ -301,25 +309,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         groups = groups_for(params)
         agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
                     where="train_step.init")
-        state = TrainState(params, optimizer.init(params), 0)
-        _remember(state)
-        return state
-
-    def _remember(state: TrainState) -> TrainState:
-        leaves = pytree.flatten(state.params)[0]
-        if leaves:
-            returned.put(leaves[0], state.step)
-        return state
-
-    def _check_not_donated(state: TrainState, leaves: list) -> None:
-        last = returned.get(leaves[0]) if leaves else None
-        if last is not None and state.step != last:
-            raise ValueError(
-                f"train_step: this TrainState (step {state.step}) was donated to an earlier call "
-                f"of this step, which updated its parameters and optimizer state in place and "
-                f"returned the state at step {last}; use the state it returned: "
-                "state, metrics = step(state, batch)."
-            )
+        return donations.remember(TrainState(params, optimizer.init(params), 0))
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if torch.is_inference_mode_enabled():
@@ -327,34 +317,41 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                                "gradient can be computed; call it outside.")
         params = groups_for(state.params)
         leaves = pytree.flatten(state.params)[0]
-        _check_not_donated(state, leaves)
+        donations.check(state, leaves)
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
         out = _micro_batches(loss_fn, params, shards, policy, batch)
-        _check_trained(params, out.grads)
-        metrics, present = _metrics(params, out, policy.accumulate)
-        grads, norm = out.grads, metrics["grad_norm"]
-        if not (math.isfinite(norm) and math.isfinite(metrics["loss"])):
-            if policy.skip_nonfinite:  # every rank sees the same values: all skip together
-                return _remember(TrainState(state.params, state.opt_state, state.step + 1)), {
-                    **metrics, "skipped": 1}
-            if not math.isfinite(norm):
-                _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
-            raise FloatingPointError(
-                f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
-                f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
-                "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
-                "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
-        if policy.clip_norm is not None and present:
-            coef = min(1.0, policy.clip_norm / (norm + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_([grads[i] for i in present], coef)
-        grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
-        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
-                                                 step=state.step)
-        return _remember(TrainState(new_params, opt_state, state.step + 1)), metrics
+        new_state, metrics = _update(optimizer, policy, params, state, out, batch)
+        return donations.remember(new_state), metrics
 
     return TrainStep(init, apply)
+
+
+def _update(optimizer, policy: Policy, params: ParamGroups, state: TrainState, out: _Grads,
+            batch: Any) -> tuple[TrainState, dict]:
+    """Metrics, the non-finite rule, clipping and the optimizer on the local shards."""
+    _check_trained(params, out.grads)
+    metrics, present = _metrics(params, out, policy.accumulate)
+    grads, norm = out.grads, metrics["grad_norm"]
+    if not (math.isfinite(norm) and math.isfinite(metrics["loss"])):
+        if policy.skip_nonfinite:  # every rank sees the same values: all skip together
+            return (TrainState(state.params, state.opt_state, state.step + 1),
+                    {**metrics, "skipped": 1})
+        if not math.isfinite(norm):
+            _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
+        raise FloatingPointError(
+            f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
+            f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
+            "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
+            "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+    if policy.clip_norm is not None and present:
+        coef = min(1.0, policy.clip_norm / (norm + 1e-6))
+        if coef < 1.0:
+            torch._foreach_mul_([grads[i] for i in present], coef)
+    grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
+    new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                             step=state.step)
+    return TrainState(new_params, opt_state, state.step + 1), metrics
 
 
 def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
