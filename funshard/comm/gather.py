@@ -24,8 +24,7 @@ _IMPLS: dict[str, Transport] = {"c10d": C10d(), "p2p": P2P()}
 def choose(name: str, pg, device: torch.device) -> Transport:
     """The transport ``name`` (``"auto"``, ``"c10d"``, ``"p2p"``) resolves to for a process
     group (None: a world of one, where nothing moves) and device."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport={name!r}; use one of {TRANSPORTS}")
+    check_transport(name, where="comm")
     if pg is None:
         return _IMPLS["c10d"]
     gloo_cpu = device.type == "cpu" and "gloo" in str(dist.get_backend(pg))

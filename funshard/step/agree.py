@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..mesh import SHARD, mesh_str
 
 
-def describe(params, policy) -> list[tuple[str, str]]:
+def fingerprint(params, policy) -> list[tuple[str, str]]:
     """``(what, value)`` pairs every rank must have alike."""
     out = [("the mesh", mesh_str(params.mesh))]
     for f in dataclasses.fields(policy):
@@ -48,7 +48,7 @@ def check(params, policy, shards: list[torch.Tensor], *, where: str) -> None:
     Policy and mesh, and ranks that hold the same values do."""
     if params.world == 1:
         return
-    mine = (describe(params, policy), checksums(shards),
+    mine = (fingerprint(params, policy), checksums(shards),
             params.mesh.get_local_rank(SHARD))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
