@@ -42,6 +42,7 @@ import enum
 import torch
 
 from .. import comm
+from .lazy import in_place_error, lazy_swap
 from .params import ParamGroups
 
 
@@ -95,6 +96,11 @@ class Group:
         self.next_prefetched = False  # backward has prefetched the group after this one
         self.versions = None  # autograd version counters to restore after a refill
         self.to_regather: list[int] = []  # leaves freed while PARTIAL, gathered again on use
+        # the objects loss_fn holds (see [Note: binding] in .lazy): while leaf k is bound,
+        # stands[k] *is* its full tensor and lazies[k] holds the stand-in's empty shell
+        self.stands: list | None = None
+        self.lazies: list | None = None
+        self.bound_version: list[int] = [0] * len(self.idx)
 
     @property
     def name(self) -> str:
@@ -212,6 +218,7 @@ class Group:
         self._hold(self.to_regather)
         self.to_regather = []
         self.move(S.GATHERED)
+        self.bind_all()
 
     def finish_gather(self) -> None:
         """Finish a gather still in flight (it writes into the group's storages): its
@@ -231,7 +238,7 @@ class Group:
         backward unpacks one."""
         for k in leaves:
             b = self.bases[k]
-            if b is None:
+            if b is None or not self.unbind(k):
                 continue
             st = b.untyped_storage()
             self.storage.pop(st.data_ptr(), None)
@@ -249,6 +256,8 @@ class Group:
             return
         if self.state is S.PARTIAL_GATHERING:  # leaves on their way into its storages
             self.finish_gather()
+        if not self.unbind_all():
+            return  # an op still holds a bound leaf: the group stays resident (correct)
         for k in self.sharded:
             if self.bases[k] is not None:
                 st = self.bases[k].untyped_storage()
@@ -265,13 +274,48 @@ class Group:
         when that node's saved tensors are released. A stray later unpack still holds it.
         """
         b = self.bases[k]
-        if b is None or self.state is S.ALIASED:
+        if b is None or self.state is S.ALIASED or not self.unbind(k):
             return
         self.storage.pop(b.untyped_storage().data_ptr(), None)
         self.held -= b.untyped_storage().nbytes()
         self.bases[k] = self.fulls[k] = None
 
+    # binding (see [Note: binding] in .lazy) ------------------------------------------
+
+    def bind_all(self) -> None:
+        """Make every gathered leaf's stand-in its full tensor: later ops on it are plain."""
+        if self.stands is None:
+            return
+        for k, full in enumerate(self.fulls):
+            if self.lazies[k] is None and full is not None and lazy_swap(self.stands[k], full):
+                self.lazies[k], self.fulls[k] = full, self.stands[k]
+                self.bound_version[k] = self.stands[k]._version
+
+    def unbind(self, k: int) -> bool:
+        """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
+        False when something else still holds its full tensor: then it stays gathered."""
+        shell = self.lazies[k] if self.lazies is not None else None
+        if shell is None:
+            return True
+        stand = self.stands[k]
+        if stand._version != self.bound_version[k]:
+            raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op")
+        if not lazy_swap(stand, shell):
+            return False
+        self.fulls[k], self.lazies[k] = shell, None
+        return True
+
+    def unbind_all(self) -> bool:
+        return all([self.unbind(k) for k in range(len(self.idx))])
+
     def release(self) -> None:
         """Drop every tensor (see [Note: a group's life] on the autograd cycle)."""
+        if self.lazies is not None:
+            for k in range(len(self.idx)):
+                try:
+                    self.unbind(k)
+                except RuntimeError:
+                    pass  # the step is over: what it raised about was raised before
+        self.stands = self.lazies = None
         self.fulls = self.bases = self.grads = self.pending = None
         self.shards = []

@@ -35,6 +35,11 @@ class Run:
         self.in_order = {False: True, True: True}  # seen so far == the schedule's order
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
+        self.stand_group: dict[int, int] = {}  # id of a stand-in object -> its group
+
+    def bound_group(self, x) -> int | None:
+        """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
+        return self.stand_group.get(id(x))
 
     @property
     def kept(self) -> int | None:
@@ -72,10 +77,12 @@ class Run:
                         self.groups[g].free()
         else:
             self.active.extend(g for g in gis if g not in self.active)
+        entered: list[Group] = []
         for gi in dict.fromkeys(gis):
             group = self.groups[gi]
             if group.resident:
                 continue
+            entered.append(group)
             self._note_seen(gi)
             if group.fulls is None:  # first use in this micro-batch: enters autograd here
                 lazy.enter(self, group)
@@ -88,6 +95,8 @@ class Run:
                 self.gather(group)
             if not self.backward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
+        for group in entered:
+            group.bind_all()
 
     def _note_seen(self, gi: int) -> None:
         seen, order = self.seen[self.backward], self.order(self.backward)
@@ -143,11 +152,15 @@ class Run:
 
     def end_forward(self) -> None:
         self.backward = True
+        # Ops on bound leaves are not seen: ``active`` holds the groups of forward's last op
+        # that gathered (with FULL_SHARD, the groups still bound). Backward's first node
+        # frees nothing as "the previous op's".
+        active, self.active = self.active, []
         if not self.policy.reshard_after_forward:
             return
-        kept = self.kept  # keep only the group backward starts with
+        kept = self.kept  # keep only the group backward starts with (and the last op's)
         for g in self.groups:
-            if g.gi not in self.active and g.gi != kept:
+            if g.gi not in active and g.gi != kept:
                 g.free()
         late = self.params.schedule.kept_late if kept is not None else ()
         if late and self.groups[kept].state is S.GATHERED:

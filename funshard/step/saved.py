@@ -34,7 +34,9 @@ class SavedParams:
             return t
         group, k = hit
         group.saved[k] += 1
-        return (group.gi, k, t)
+        # a separate tensor on the same storage: autograd never holds a bound stand-in's own
+        # tensor, so the stand-in can always be unbound (see [Note: binding] in .lazy)
+        return (group.gi, k, t.detach())
 
     def unpack(self, packed):
         run = self.run

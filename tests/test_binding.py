@@ -1,0 +1,145 @@
+"""The stand-in becomes its gathered tensor ([Note: binding] in funshard.step.lazy): ops after
+a group's first use see plain tensors, a freed group's stand-ins are empty again, and a custom
+autograd Function given a gathered parameter gets its exact gradient."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import funshard as fs
+from funshard.testing import capture, mesh
+
+
+class MatMulT(torch.autograd.Function):
+    """``a @ w.t()`` with a hand-written backward that saves ``w`` (save_for_backward)."""
+
+    @staticmethod
+    def forward(ctx, a, w):
+        ctx.save_for_backward(a, w)
+        return a @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        return g @ w, g.t() @ a
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _forward(p, x):
+    """Layer 0 through plain ops (gathers the group), layer 2 through the custom Function."""
+    h = torch.tanh(F.linear(x, p["0.weight"], p["0.bias"]))
+    return MatMulT.apply(h, p["2.weight"]) + p["2.bias"]
+
+
+def kinds(spec, raf):
+    """What loss_fn holds before and after the first op, and after another group is used."""
+    m = mesh(spec)
+    model = _model()
+    seen = []
+
+    def loss_fn(p, b):
+        seen.append(("start", type(p["0.weight"]), type(p["0.bias"])))
+        h = torch.tanh(F.linear(b[0], p["0.weight"], p["0.bias"]))
+        seen.append(("after 0", type(p["0.weight"]), type(p["0.bias"])))
+        y = F.linear(h, p["2.weight"], p["2.bias"])
+        seen.append(("after 2", type(p["0.weight"]), type(p["2.weight"])))
+        return F.mse_loss(y, b[1])
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    for _ in range(2):
+        state, _ = step(state, (torch.randn(2, 4), torch.randn(2, 3)))
+    return [(w, a.__name__, b.__name__) for w, a, b in seen[-3:]]
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_gathered_parameters_are_plain_tensors(pools, raf):
+    for got in pools.run(2, kinds, raf):
+        assert got[0] == ("start", "LazyParam", "LazyParam")
+        assert got[1] == ("after 0", "Tensor", "Tensor")  # the whole group is bound
+        # FULL_SHARD frees group "0" once group "2" is used: its stand-ins are empty again
+        assert got[2] == ("after 2", "LazyParam" if raf else "Tensor", "Tensor")
+
+
+def custom_function_parity(spec, raf, steps=3, per_rank=2):
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    step = fs.train_step(lambda p, b: F.mse_loss(_forward(p, b[0]), b[1]),
+                         fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf, groups=lambda fqn: "all"))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD(list(ref.values()), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(world * per_rank, 4, generator=g), torch.randn(world * per_rank, 3,
+                                                                          generator=g)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        state, _ = step(state, (x[mine], y[mine]))
+        opt.zero_grad()
+        F.mse_loss(_forward(ref, x), y).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.items())
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_custom_function_on_a_gathered_parameter_trains_as_one_process(pools, spec, raf):
+    for err in pools.run(spec, custom_function_parity, raf):
+        assert err < 1e-5, err
+
+
+def custom_function_first(spec):
+    """The Function is the first to touch the group: refused by name, state unchanged."""
+    m = mesh(spec)
+    model = _model()
+    step = fs.train_step(lambda p, b: F.mse_loss(
+        MatMulT.apply(b[0], p["0.weight"]) + p["0.bias"], b[1][:, :1].expand(-1, 8)),
+        fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    t, msg = capture(lambda: step(state, (torch.randn(2, 4), torch.randn(2, 3))))
+    same = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+    return t, msg, same
+
+
+def test_custom_function_first_touch_is_refused(pools):
+    for t, msg, same in pools.run(2, custom_function_first):
+        assert t == "NotImplementedError" and "custom torch.autograd.Function" in msg, msg
+        assert "'0.weight'" in msg and same
+
+
+def checkpoint_after_bind(spec, reentrant):
+    """Checkpoint only the second layer of a group that an earlier op already gathered: no
+    first use happens inside the region, so only the graph shows it; refused by name."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = mesh(spec)
+    model = _model()
+
+    def loss_fn(p, b):
+        h = torch.tanh(F.linear(b[0], p["0.weight"], p["0.bias"]))
+        y = checkpoint(lambda t: F.linear(t, p["2.weight"], p["2.bias"]), h,
+                       use_reentrant=reentrant)
+        return F.mse_loss(y, b[1])
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1), policy=fs.Policy(groups=lambda f: "all"))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    t, msg = capture(lambda: step(state, (torch.randn(2, 4), torch.randn(2, 3))))
+    same = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+    return t, msg, same
+
+
+def test_reentrant_checkpoint_of_a_gathered_group_is_refused(pools):
+    for t, msg, same in pools.run(2, checkpoint_after_bind, True):
+        assert t == "NotImplementedError" and "use_reentrant=True" in msg and same, msg
