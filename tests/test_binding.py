@@ -143,3 +143,38 @@ def checkpoint_after_bind(spec, reentrant):
 def test_reentrant_checkpoint_of_a_gathered_group_is_refused(pools):
     for t, msg, same in pools.run(2, checkpoint_after_bind, True):
         assert t == "NotImplementedError" and "use_reentrant=True" in msg and same, msg
+
+
+def compiled_parity(spec, raf, steps=3, per_rank=2):
+    """torch.compile(loss_fn): collectives and binding break the graph (dynamo.disable), the
+    compute between compiles; parameters equal one process."""
+    torch._dynamo.reset()
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+
+    def loss_fn(p, b):
+        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
+
+    step = fs.train_step(torch.compile(loss_fn), fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD(list(ref.values()), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(world * per_rank, 4, generator=g), torch.randn(world * per_rank, 3,
+                                                                          generator=g)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        state, _ = step(state, (x[mine], y[mine]))
+        opt.zero_grad()
+        loss_fn(ref, (x, y)).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.items())
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_compiled_loss_fn_trains_as_one_process(pools, raf):
+    for err in pools.run(2, compiled_parity, raf):
+        assert err < 1e-5, err

@@ -93,29 +93,7 @@ class LazyParam(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        lazies: list[LazyParam] = []
-        _scan(None, args, lazies, [])
-        _scan(None, kwargs.values(), lazies, [])
-        if not lazies:
-            return func(*args, **kwargs)
-        run = lazies[0]._run
-        if not run.backward and func is not torch.Tensor.detach:
-            _refuse_unsupported(run, lazies)
-        if func is F.batch_norm:
-            _refuse_running_stats(args, kwargs)
-        gis = [x._gi for x in lazies]
-        path = _path(lazies[0])  # before binding turns it into a plain tensor
-        _scan(run, args, [], gis)  # bound leaves this op also reads
-        _scan(run, kwargs.values(), [], gis)
-        run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
-        if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
-            args, kwargs = _substitute(run, args), dict(zip(kwargs, _substitute(run, kwargs.values())))
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as e:  # autograd forbids writing into a trainable one
-            if "modified inplace" in str(e) or "is being modified inplace" in str(e):
-                raise in_place_error(path, func) from e
-            raise
+        return _first_use(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -126,6 +104,35 @@ class LazyParam(torch.Tensor):
 
     def __repr__(self):
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
+
+
+@torch._dynamo.disable  # collectives and swaps stay out of compiled graphs: a graph break
+def _first_use(func, args: tuple, kwargs: dict):
+    """An op touches a stand-in: gather and bind its group, then run the op."""
+    lazies: list[LazyParam] = []
+    _scan(None, args, lazies, [])
+    _scan(None, kwargs.values(), lazies, [])
+    if not lazies:
+        return func(*args, **kwargs)
+    run = lazies[0]._run
+    if not run.backward and func is not torch.Tensor.detach:
+        _refuse_unsupported(run, lazies)
+    if func is F.batch_norm:
+        _refuse_running_stats(args, kwargs)
+    gis = [x._gi for x in lazies]
+    path = _path(lazies[0])  # before binding turns it into a plain tensor
+    _scan(run, args, [], gis)  # bound leaves this op also reads
+    _scan(run, kwargs.values(), [], gis)
+    run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
+    if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
+        args = _substitute(run, args)
+        kwargs = dict(zip(kwargs, _substitute(run, kwargs.values())))
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:  # autograd forbids writing into a trainable one
+        if "modified inplace" in str(e) or "is being modified inplace" in str(e):
+            raise in_place_error(path, func) from e
+        raise
 
 
 def _path(x) -> str:
