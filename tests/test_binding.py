@@ -140,9 +140,11 @@ def checkpoint_after_bind(spec, reentrant):
     return t, msg, same
 
 
-def test_reentrant_checkpoint_of_a_gathered_group_is_refused(pools):
-    for t, msg, same in pools.run(2, checkpoint_after_bind, True):
-        assert t == "NotImplementedError" and "use_reentrant=True" in msg and same, msg
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_checkpoint_of_a_gathered_group_is_refused(pools, reentrant):
+    for t, msg, same in pools.run(2, checkpoint_after_bind, reentrant):
+        assert t == "NotImplementedError" and same, msg
+        assert f"use_reentrant={reentrant}" in msg, msg
 
 
 def compiled_parity(spec, raf, steps=3, per_rank=2):

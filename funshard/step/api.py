@@ -183,7 +183,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                 loss, aux = _loss_of(loss_fn(tree, mb))
             run.end_forward()
             _check_differentiable(loss)
-            lazy.refuse_recomputing_nodes(loss)
+            lazy.refuse_recomputing(run, loss)
             with torch.enable_grad():
                 (loss / k).backward()
         finally:

@@ -167,11 +167,19 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> None:
     )
 
 
-def refuse_recomputing_nodes(loss: torch.Tensor) -> None:
-    """Reentrant activation checkpointing ran a region under no-grad whose parameters were
-    already bound (so the first-use check did not see it); its recompute in backward would
-    read the module's own weights. Its node in the graph gives it away (about 0.3 ms for a
-    graph of 500 nodes, once per micro-batch)."""
+def refuse_recomputing(run, loss: torch.Tensor) -> None:
+    """Activation checkpointing ran a region whose parameters were already bound (so the
+    first-use check did not see it); its recompute in backward would read the module's own
+    weights. A non-reentrant region saved its inputs through the step's hooks
+    (``run.saved.checkpointed``); a reentrant one left its node in the graph (about 0.3 ms to
+    find in a graph of 500 nodes, once per micro-batch)."""
+    if run.saved.checkpointed:
+        raise NotImplementedError(
+            "train_step: loss_fn used torch.utils.checkpoint with use_reentrant=False (or "
+            "selective checkpointing) on parameters already gathered: inside its region the "
+            "step cannot see them, and its recompute in backward would read the module's own "
+            "weights, not the step's, and train wrong. Activation checkpointing inside loss_fn "
+            "is not supported yet: turn it off (e.g. model.gradient_checkpointing_disable()).")
     seen, todo = set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
