@@ -203,6 +203,15 @@ def test_symlinked_path_is_followed_not_replaced(pools, tmp_path):
     assert os.readlink(f"{d}/dangling") == f"{d}/real/step_2"
     assert sorted(os.listdir(d)) == ["dangling", "link", "real"]  # no .old left behind
     assert sorted(os.listdir(f"{d}/real")) == ["step_1", "step_2"]
+    os.makedirs(f"{d}/run")
+    os.symlink(f"{d}/real/step_1", f"{d}/run/step_000001")  # on another disk, say
+    pools.run(2, save_keep, f"{d}/run/step_000002", 1)
+    assert os.listdir(f"{d}/run") == ["step_000002"]  # keep=1 pruned the link...
+    assert os.listdir(f"{d}/real") == ["step_2"]  # ...and its target
+
+
+def save_keep(spec, path, keep):
+    ck.save(path, small(mesh(spec)), keep=keep)
 
 
 # -- concurrent saves to one path ------------------------------------------------------------

@@ -81,11 +81,12 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
     agree("save", err, {"path": real, "keep": keep, "async_save": async_save,
                         "keys": digest(sorted(info["keys"].items()))}, full={"keys": info["keys"]})
     claim, token = _make_tmp(real)
+    here = os.path.dirname(os.path.abspath(os.fspath(path)))  # keep= prunes the named directory
     try:
         if not async_save:
-            _write(sd, real, token, info, keep=keep, pg=None)
+            _write(sd, real, token, info, keep=(keep, here), pg=None)
             return os.path.abspath(os.fspath(path))
-        return _write_async(sd, real, token, info, keep=keep, claim=claim,
+        return _write_async(sd, real, token, info, keep=(keep, here), claim=claim,
                             returns=os.path.abspath(os.fspath(path)))
     except BaseException:
         if claim is not None:
@@ -134,7 +135,7 @@ def _make_tmp(path: str) -> tuple[Claim | None, str]:
     return claim, token
 
 
-def _write_async(sd, path: str, token: str, info: dict, *, keep: int | None,
+def _write_async(sd, path: str, token: str, info: dict, *, keep: tuple,
                  claim: Claim | None, returns: str) -> Future:
     """Snapshot ``sd`` to CPU, then :func:`_write` it in a thread over its own gloo group."""
     staged = {k: _stage(v) for k, v in sd.items()}
@@ -168,8 +169,10 @@ def _stage(v: Any) -> Any:
     return v
 
 
-def _write(sd, path: str, token: str, info: dict, *, keep: int | None, pg) -> None:
-    """dcp.save into the temporary sibling, checksums, marker, rename (rank 0), barrier."""
+def _write(sd, path: str, token: str, info: dict, *, keep: tuple, pg) -> None:
+    """dcp.save into the temporary sibling, checksums, marker, rename (rank 0), barrier.
+
+    ``keep`` is ``(k or None, the directory to prune)``."""
     tmp = f"{path}.tmp-{token}"
     rank = _rank(pg)
     try:
@@ -196,8 +199,8 @@ def _finish(gathered, tmp: str, path: str, token: str, info: dict, keep, pg) -> 
         _write_marker(tmp, {"format": FORMAT, "time": time.time(), "world_size": _world(pg),
                             **info, "files": {n: f for fs_, _ in gathered for n, f in fs_.items()}})
         _commit(tmp, path, token)
-        if keep is not None:
-            prune(os.path.dirname(path), keep=keep)
+        if keep[0] is not None:
+            prune(keep[1], keep=keep[0])
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         return [("CheckpointError", f"save: committing {path!r} failed: {_describe(e)}")]
     return []
