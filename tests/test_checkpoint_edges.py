@@ -219,7 +219,7 @@ def save_keep(spec, path, keep):
 
 def two_async_saves(spec, path):
     m = mesh(spec)
-    first = ck.save(path, small(m, seed=1, rows=4000), async_save=True)  # still writing...
+    first = ck.save(path, small(m, seed=1, rows=100_000), async_save=True)  # still writing...
     second = ck.save(path, small(m, seed=2), async_save=True)  # ...when this one starts
     done = [outcome(f.result, timeout=60)[:2] for f in (first, second)]
     back = full(ck.load(path, like=small(m, seed=9)))

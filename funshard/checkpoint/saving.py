@@ -83,17 +83,15 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
     claim, token = _make_tmp(real)
     here = os.path.dirname(os.path.abspath(os.fspath(path)))  # keep= prunes the named directory
     try:
-        if not async_save:
-            _write(sd, real, token, info, keep=(keep, here), pg=None)
-            return os.path.abspath(os.fspath(path))
-        return _write_async(sd, real, token, info, keep=(keep, here), claim=claim,
-                            returns=os.path.abspath(os.fspath(path)))
-    except BaseException:
-        if claim is not None:
-            claim.release()
-        raise
+        if async_save:
+            fut = _write_async(sd, real, token, info, keep=(keep, here), claim=claim,
+                               returns=os.path.abspath(os.fspath(path)))
+            claim = None  # the writing thread releases it
+            return fut
+        _write(sd, real, token, info, keep=(keep, here), pg=None)
+        return os.path.abspath(os.fspath(path))
     finally:
-        if claim is not None and not async_save:
+        if claim is not None:
             claim.release()
 
 
@@ -240,6 +238,8 @@ def _write_shards(sd, tmp: str, path: str, rank: int, pg) -> tuple[dict, tuple |
         if isinstance(e, CheckpointException) and rank not in e.failures:
             return None, None  # another rank's failure: that rank reports it, with its disk
         _, cause = _cause(e, rank)  # DCP wraps each rank's failure: keep the cause
+        space = _space(tmp)
         err = ("CheckpointError", f"save to {path!r} failed on rank {rank}: "
-                                  f"{_describe(cause)}; writing {tmp!r} ({_space(tmp)})")
+                                  f"{_describe(cause)}; writing {tmp!r}"
+                                  + (f" ({space})" if space else ""))
     return files, err
