@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -36,3 +37,20 @@ def _all_gather_obj(obj: Any, pg=None) -> list[Any]:
     out = [None] * _world(pg)
     dist.all_gather_object(out, obj, group=pg)
     return out
+
+
+def _timeout(pg=None) -> float | None:
+    """Seconds a collective on ``pg`` (default: the default group) may wait, or None.
+
+    ``make_mesh(timeout=)`` sets it when it initialises the process group; read back from
+    the group's backend options (feature-detected: None when this torch does not expose it).
+    """
+    if not dist.is_initialized():
+        return None
+    group = pg if pg is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None

@@ -10,12 +10,14 @@ the files before reading anything and reshards to ``like``'s mesh.
 
     >>> save("ckpt/step_000100", state)                # every rank; returns the path
     >>> state = load(latest("ckpt"), like=state)       # any world size or mesh
+    >>> state = load("ckpt", like=state)               # the same: a directory's newest
     >>> export_full("model.pt", state.params)          # one torch.save file of full tensors
 
-Where each part lives: ``io`` (save, async saving, load), ``atomic`` (the temporary
-sibling, the marker, the commit, crash recovery, CRC32s), ``dirs`` (latest, prune),
-``export`` (export_full, import_full), ``errors`` (CheckpointError). The state dicts
-(``state_dict`` / ``load_state_dict``) live in :mod:`funshard.state_dict` and are
+Where each part lives: ``saving`` (save, async saving), ``loading`` (load), ``checks``
+(arguments checked and compared across ranks), ``lock`` (one save at a time per path),
+``atomic`` (the temporary sibling, the marker, the commit, crash recovery, CRC32s), ``dirs``
+(latest, prune), ``export`` (export_full, import_full), ``errors`` (CheckpointError). The
+state dicts (``state_dict`` / ``load_state_dict``) live in :mod:`funshard.state_dict` and are
 re-exported here.
 """
 
@@ -24,7 +26,8 @@ from .atomic import FORMAT, MARKER
 from .dirs import latest, prune
 from .errors import CheckpointError
 from .export import export_full, import_full
-from .io import load, save
+from .loading import load
+from .saving import save
 
 __all__ = [
     "FORMAT",

@@ -132,6 +132,9 @@ def _check_files(path: str, marker: dict, rank: int, world: int) -> str | None:
             return f"file {name!r} is missing"
         if size != want["bytes"]:
             return f"file {name!r} has {size} bytes, the marker says {want['bytes']}"
-        if j % world == rank and _crc32(f) != want["crc32"]:
-            return f"file {name!r} fails its CRC32 check"
+        try:
+            if j % world == rank and _crc32(f) != want["crc32"]:
+                return f"file {name!r} fails its CRC32 check"
+        except OSError as e:
+            return f"file {name!r} cannot be read: {e.strerror or e}"
     return None

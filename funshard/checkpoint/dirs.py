@@ -42,13 +42,25 @@ def latest(directory: str | os.PathLike) -> str | None:
     return found[max(found)] if found else None
 
 
+def _hidden(directory: str, path: str) -> str:
+    return os.path.join(directory, f".{os.path.basename(path)}.deleting-{uuid.uuid4().hex[:12]}")
+
+
+def _delete(target: str) -> None:
+    """Hide ``target`` (a rename in its own directory), then remove it."""
+    if os.path.isdir(target):
+        hidden = _hidden(os.path.dirname(target), target)
+        os.rename(target, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
 def prune(directory: str | os.PathLike, *, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete ``step_<n>`` checkpoints in ``directory``.
 
     Call it on one process (``save(..., keep=k)`` does, on rank 0). Each victim is first
     renamed to a hidden ``.<name>.deleting-<id>`` (gone from view at once), then removed; a
-    crash mid-delete leaves only such a directory, which the next prune removes. Nothing
-    else in ``directory`` is touched.
+    crash mid-delete leaves only such a directory, which the next prune removes. A victim
+    that is a symlink goes with its target. Nothing else in ``directory`` is touched.
 
     Returns:
         the removed checkpoint paths, oldest first.
@@ -62,9 +74,11 @@ def prune(directory: str | os.PathLike, *, keep: int) -> list[str]:
     victims = [found[s] for s in sorted(found)[:-keep]]
     for path in victims:
         where = _resolve(path)
-        if where is not None:
-            os.rename(where, os.path.join(directory, f".{os.path.basename(path)}.deleting-"
-                                                     f"{uuid.uuid4().hex[:12]}"))
+        if where is not None and os.path.islink(where):  # a link to elsewhere: both go
+            _delete(os.path.realpath(where))
+            os.unlink(where)
+        elif where is not None:
+            os.rename(where, _hidden(directory, path))
         for _, d in _leftovers(path):
             shutil.rmtree(d, ignore_errors=True)
     names = os.listdir(directory) if os.path.isdir(directory) else []

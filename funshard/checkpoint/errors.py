@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted; nothing was loaded."""
+
+
+# The process group's failures: a peer that timed out, died, or closed its connection.
+COMM_ERRORS = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError",
+                                               "DistStoreError") if hasattr(dist, n))
+
+_ERRNO = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+          errno.EFBIG: "a file size limit is reached"}
 
 
 def _first_error(errors: list[Any]) -> None:
@@ -15,3 +33,48 @@ def _first_error(errors: list[Any]) -> None:
         if e is not None:
             kind, msg = e
             raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, CheckpointError)(msg)
+
+
+def _cause(e: BaseException, rank: int) -> tuple[int, BaseException]:
+    """``(rank, exception)`` that caused ``e``: DCP wraps each failing rank's exception."""
+    if isinstance(e, CheckpointException) and e.failures:
+        r = min(e.failures)
+        f = e.failures[r]
+        return r, f[0] if isinstance(f, tuple) else f
+    return rank, e
+
+
+def _describe(e: BaseException) -> str:
+    """``OSError: [Errno 28] No space left on device (the disk is full)``: one line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:400]
+    hint = _ERRNO.get(getattr(e, "errno", None))
+    return f"{text} ({hint})" if hint else text
+
+
+def _space(directory: str) -> str:
+    """What a failed write should say of the disk: its free space and the file size limit
+    (torch's writer reports a full disk as 'unexpected pos', without the errno)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    note = f"{free / 2**20:.0f} MiB free on its filesystem"
+    if free < 64 * 2**20:
+        note = f"the disk is full: {note}"
+    if resource is not None:
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            note += f"; this process may write files of at most {soft} bytes (ulimit -f)"
+    return note
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    if isinstance(e, CheckpointError):
+        return False
+    if isinstance(e, COMM_ERRORS):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text
+                                            or "connection closed" in text)

@@ -1,0 +1,171 @@
+"""Loading checkpoints: checked on every rank before reading, resharded to ``like``'s mesh.
+
+``load(path, like)`` checks its arguments and compares them across ranks, resolves a
+directory of ``step_<n>`` checkpoints to its newest one, checks the marker, the keys and
+shapes against ``like`` and every file (sizes; CRC32s split over the ranks) -- one rank's
+failure is every rank's error, naming the file -- and only then reads with
+``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.tensor import DTensor
+
+from .. import pytree
+from ..layout import as_dtensor
+from .._ranks import _rank, _world
+from ..state_dict import Tree, _describe_value, _flat, _like
+from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
+from .checks import agree, check_flag, check_path, digest, key_info
+from .dirs import latest
+from .errors import CheckpointError, _cause, _describe
+
+SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
+
+
+def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> Tree:
+    """Read a checkpoint written by :func:`save` into a new tree placed like ``like``.
+
+    Call on every rank, with the same arguments. Any world size or mesh works: each rank
+    reads the pieces of its own shards (``torch.distributed.checkpoint`` reshards). Before
+    reading, the marker, the keys, shapes and dtypes and every file's size (and, with
+    ``verify``, CRC32, each rank checking a share) are checked; a failure on any rank
+    raises on every rank and loads nothing.
+
+    Args:
+        path: a checkpoint directory (e.g. from :func:`latest`), or a directory of
+            ``step_<n>`` checkpoints, whose newest complete one is loaded. ``None`` (what
+            ``latest`` returns for a directory without one) raises "no checkpoint".
+        like: a tree of the same structure (e.g. ``step.init(params)``); its values are not
+            used and are not modified.
+        verify: check CRC32s (reads every file once more, split over the ranks).
+    Returns:
+        a new tree like ``like`` (the saved ``step`` included).
+    Raises:
+        CheckpointError: no checkpoint, or a missing, incomplete, corrupted or unreadable one.
+        ValueError: the checkpoint's keys, shapes or dtypes differ from ``like``'s, or ranks
+            were given different arguments.
+
+    Example: ``state = load("ckpt/step_000100", like=step.init(fs.shard(params, mesh)))``.
+    """
+    keys, likes, spec = _flat(like)
+    like_sd = dict(zip(keys, likes))
+    real, err = check_path("load", path)
+    err = err or check_flag("load", "verify", verify)
+    where = None
+    if err is None:
+        real, err = _newest_in(real)
+    if err is None:
+        where, err = _prepare_load(real, like_sd, _rank(), _world(), verify)
+    info = key_info(like_sd)
+    agree("load", err, {"path": real, "verify": verify,
+                        "like": digest(sorted(info.items()))}, full={"like": info})
+    target = {k: _empty_like(v) for k, v in like_sd.items()}
+    try:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(where),
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
+        r, cause = _cause(e, _rank())
+        raise CheckpointError(f"incomplete or corrupted checkpoint at {real!r}: reading it "
+                              f"failed on rank {r}: {_describe(cause)}") from e
+    values = []
+    for k, v in zip(keys, likes):
+        t = target[k]
+        if isinstance(v, torch.Tensor):
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            t = _like(local, v)
+        values.append(t)
+    return pytree.unflatten(spec, values)
+
+
+def _newest_in(path: str) -> tuple[str | None, tuple | None]:
+    """A directory of checkpoints (no checkpoint files of its own) -> its newest one."""
+    if (not os.path.isdir(path) or _marker(path) is not None
+            or _LEFTOVER.match(os.path.basename(path))):  # a save's own temporary
+
+        return path, None
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return path, None  # _prepare_load says why
+    if any(n in (".metadata", MARKER) or n.endswith(".distcp") for n in names):
+        return path, None
+    found = latest(path)
+    if found is None:
+        return None, ("CheckpointError", f"load: no checkpoint under {path!r}: it holds no "
+                      "complete step_<n> checkpoint (saves that did not finish never count)")
+    return os.path.realpath(found), None
+
+
+def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool):
+    """Resolve, read the marker, check keys and files; -> (dir, None) or (None, (type, msg))."""
+    where = _resolve(path)
+    if where is None:
+        return None, ("CheckpointError", f"load: no checkpoint at {path!r}; "
+                                         "fs.checkpoint.latest(dir) finds the newest one")
+    marker = _marker(where)
+    if marker is None:
+        return None, ("CheckpointError",
+                      f"incomplete or corrupted checkpoint at {path!r}: no valid {MARKER} "
+                      "marker (the save did not finish); load an earlier checkpoint "
+                      "(fs.checkpoint.latest(dir) skips incomplete ones)")
+    problems = _key_problems(marker.get("keys", {}), like_sd)
+    if problems:
+        text = "\n  ".join(_shorten(problems))
+        return None, ("ValueError", f"load: the checkpoint at {path!r} does not match like "
+                      f"({len(problems)} problem(s)); nothing was loaded:\n  {text}\nFix: pass "
+                      "like= a state of the same model and optimizer as the saved one.")
+    bad = _check_files(where, marker, rank, world) if verify else None
+    if bad:
+        return None, ("CheckpointError", f"incomplete or corrupted checkpoint at {path!r}: {bad}"
+                                         + (f" (found by rank {rank})" if world > 1 else ""))
+    return where, None
+
+
+def _shorten(problems: list[str]) -> list[str]:
+    """At most :data:`SHOWN` lines of each kind (missing, shape, dtype, ...); the rest counted."""
+    kinds: dict[str, list[str]] = {}
+    for p in problems:
+        kinds.setdefault(p.split(" key ")[0].split(" mismatch ")[0], []).append(p)
+    out = []
+    for kind, ps in kinds.items():
+        what = f"{kind} keys" if kind in ("missing", "unexpected") else f"{kind} mismatches"
+        out += ps[:SHOWN] + ([f"... and {len(ps) - SHOWN} more {what}"] if len(ps) > SHOWN else [])
+    return out
+
+
+def _key_problems(saved: dict, like_sd: dict) -> list[str]:
+    """Every difference between the marker's keys and ``like``'s, one line each."""
+    problems = []
+    for k, v in like_sd.items():
+        want = key_info({k: v})[k]
+        got = saved.get(k)
+        if got is None:
+            problems.append(f"missing key {k!r} (like: {_describe_value(v)})")
+        elif "type" in want or "type" in got:
+            if got != want:
+                problems.append(f"type mismatch at {k!r}: checkpoint has {got}, like has {want}")
+        elif got["shape"] != want["shape"]:
+            problems.append(f"shape mismatch at {k!r}: checkpoint {tuple(got['shape'])}, like "
+                            f"{tuple(want['shape'])}")
+        elif got["dtype"] != want["dtype"]:
+            problems.append(f"dtype mismatch at {k!r} (shape {tuple(want['shape'])}): checkpoint "
+                            f"{got['dtype']}, like {want['dtype']}")
+    problems += [f"unexpected key {k!r} ({saved[k]})" for k in saved if k not in like_sd]
+    return problems
+
+
+def _empty_like(v: Any) -> Any:
+    if isinstance(v, DTensor):
+        local = torch.empty_like(v._local_tensor, requires_grad=False)
+        return as_dtensor(local, v)
+    if isinstance(v, torch.Tensor):
+        return torch.empty_like(v, requires_grad=False)
+    return v
