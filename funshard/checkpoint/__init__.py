@@ -11,10 +11,11 @@ the files before reading anything and reshards to ``like``'s mesh.
     >>> save("ckpt/step_000100", state)                # every rank; returns the path
     >>> state = load(latest("ckpt"), like=state)       # any world size or mesh
     >>> export_full("model.pt", state.params)          # one torch.save file of full tensors
+    >>> export_module(model, state.params)             # into an nn.Module (rank 0)
 
 Where each part lives: ``io`` (save, async saving, load), ``atomic`` (the temporary
 sibling, the marker, the commit, crash recovery, CRC32s), ``dirs`` (latest, prune),
-``export`` (export_full, import_full), ``errors`` (CheckpointError). The state dicts
+``export`` (export_full, import_full, export_module), ``errors`` (CheckpointError). The state dicts
 (``state_dict`` / ``load_state_dict``) live in :mod:`funshard.state_dict` and are
 re-exported here.
 """
@@ -23,7 +24,7 @@ from ..state_dict import KINDS, LocalShard, load_state_dict, state_dict
 from .atomic import FORMAT, MARKER
 from .dirs import latest, prune
 from .errors import CheckpointError
-from .export import export_full, import_full
+from .export import export_full, export_module, import_full
 from .io import load, save
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "LocalShard",
     "export_full",
+    "export_module",
     "import_full",
     "latest",
     "load",
