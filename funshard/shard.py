@@ -44,8 +44,10 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     Every rank must pass the same values (as with ``distribute_tensor(src_data_rank=None)``);
     nothing is communicated. Uneven dim 0 splits as ``torch.chunk`` does (7 rows on 3 ranks:
     3, 3, 1). 0-d tensors are replicated. Each local shard is a copy, so the full input can be
-    freed. A meta-device leaf materialises only its local shard (uninitialised, on the mesh's
-    device); initialise it afterwards.
+    freed. A meta-device leaf materialises only its local shard, on the mesh's device, filled
+    with NaN (floating dtypes; others uninitialised): load weights into it next
+    (:func:`fs.load_state_dict`, :func:`fs.checkpoint.import_full`); a step on weights never
+    loaded sees a NaN loss and refuses it.
 
     Args:
         tree: pytree of full tensors (e.g. ``fs.params(model)``).
@@ -72,8 +74,10 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
             )
         placements = placements_for(mesh, t.ndim, how)
         lay = _layout(name, t, mesh, placements)
-        if t.is_meta:
+        if t.is_meta:  # only this rank's rows; NaN until loaded, so a forgotten load fails
             local = torch.empty(lay.local_shape, dtype=t.dtype, device=device)
+            if local.is_floating_point() or local.is_complex():
+                local.fill_(float("nan"))
         else:
             local = local_slice(t.detach(), lay).to(device, copy=True)
             local = local.contiguous()

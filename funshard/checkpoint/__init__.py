@@ -12,11 +12,12 @@ the files before reading anything and reshards to ``like``'s mesh.
     >>> state = load(latest("ckpt"), like=state)       # any world size or mesh
     >>> state = load("ckpt", like=state)               # the same: a directory's newest
     >>> export_full("model.pt", state.params)          # one torch.save file of full tensors
+    >>> export_module(model, state.params)             # into an nn.Module (rank 0)
 
 Where each part lives: ``saving`` (save, async saving), ``loading`` (load), ``checks``
 (arguments checked and compared across ranks), ``lock`` (one save at a time per path),
 ``atomic`` (the temporary sibling, the marker, the commit, crash recovery, CRC32s), ``dirs``
-(latest, prune), ``export`` (export_full, import_full), ``errors`` (CheckpointError). The
+(latest, prune), ``export`` (export_full, import_full, export_module), ``errors`` (CheckpointError). The
 state dicts (``state_dict`` / ``load_state_dict``) live in :mod:`funshard.state_dict` and are
 re-exported here.
 """
@@ -25,7 +26,7 @@ from ..state_dict import KINDS, LocalShard, load_state_dict, state_dict
 from .atomic import FORMAT, MARKER
 from .dirs import latest, prune
 from .errors import CheckpointError
-from .export import export_full, import_full
+from .export import export_full, export_module, import_full
 from .loading import load
 from .saving import save
 
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "LocalShard",
     "export_full",
+    "export_module",
     "import_full",
     "latest",
     "load",

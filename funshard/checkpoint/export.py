@@ -1,4 +1,6 @@
-"""One ``torch.save`` file of full tensors, and back: plain PyTorch on the other side."""
+"""Trained shards back to plain PyTorch: one ``torch.save`` file of full tensors and back
+(:func:`export_full`, :func:`import_full`), or the parameters of an ``nn.Module``
+(:func:`export_module`, e.g. before Hugging Face's ``save_pretrained``)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,10 @@ import os
 import uuid
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .._ranks import _all_gather_obj, _broadcast_obj, _rank
+from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _world
 from ..state_dict import Tree, load_state_dict, state_dict
 from .atomic import _fsync_dir
 from .errors import _first_error
@@ -84,3 +88,73 @@ def _torch_load(path: str) -> dict:
         if "mmap" not in str(e):
             raise
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def export_module(module: nn.Module, params: Tree, *, rank0_only: bool = True) -> nn.Module | None:
+    """Put a params tree's full values into ``module``'s parameters (every rank calls).
+
+    Every parameter of ``module`` (``named_parameters()``, tied ones once, as
+    :func:`funshard.params` gives them) must be in ``params`` with its shape and dtype, and
+    nothing else may be; otherwise every rank raises the same ``ValueError`` before anything
+    is gathered. Groups are gathered one at a time to the CPU. A parameter on a real device
+    is copied into (its storage, device and ties are kept); a ``meta`` parameter is swapped
+    for a CPU tensor (``torch.utils.swap_tensors``: the same object, so ties and references
+    are kept), so a module built under ``torch.device("meta")`` holds one copy. Buffers are
+    not in a params tree and are left as they are; a ``meta`` buffer is refused by name.
+
+    Args:
+        module: the architecture the params were trained for (the training model is fine).
+        params: a tree of DTensors, e.g. ``state.params``.
+        rank0_only: fill the module on rank 0 only; the other ranks take part in the
+            gathers and get ``None`` back (their module is not touched).
+    Returns:
+        ``module`` (only its parameter values change), or ``None`` on ranks other than 0
+        with ``rank0_only``.
+
+    Example: ``export_module(model, state.params).save_pretrained("out/hf")`` on rank 0.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"export_module: module must be an nn.Module, got {type(module).__name__}")
+    targets = dict(module.named_parameters())
+    if not isinstance(params, dict):
+        raise TypeError(f"export_module: params must be a dict {{fqn: DTensor}} such as "
+                        f"state.params, got {type(params).__name__}")
+    problems = _module_problems(module, targets, params)
+    if problems:
+        raise ValueError("export_module: the params tree does not fit the module; nothing was "
+                         "gathered:\n  " + "\n  ".join(problems))
+    sd = state_dict(params, kind="full", rank0_only=rank0_only, cpu_offload=True)
+    if rank0_only and _rank() != 0:
+        return None
+    with torch.no_grad():
+        for name, p in targets.items():
+            value = sd.pop(name)
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+            else:
+                p.copy_(value)
+    return module
+
+
+def _module_problems(module: nn.Module, targets: dict, params: dict) -> list[str]:
+    """Every mismatch between the module's parameters and the tree, one line each."""
+    out = []
+    for name, p in targets.items():
+        if name not in params:
+            out.append(f"module parameter {name!r} {tuple(p.shape)} is not in params")
+            continue
+        v = params[name]
+        if not isinstance(v, torch.Tensor):
+            out.append(f"params[{name!r}] is a {type(v).__name__}, expected a DTensor")
+        elif tuple(v.shape) != tuple(p.shape) or v.dtype != p.dtype:
+            out.append(f"params[{name!r}] is {tuple(v.shape)} {v.dtype}, the module's parameter "
+                       f"is {tuple(p.shape)} {p.dtype}")
+        elif not isinstance(v, DTensor) and _world() > 1:
+            out.append(f"params[{name!r}] {tuple(v.shape)} is a plain tensor; pass the sharded "
+                       "tree (state.params)")
+    out += [f"params[{k!r}] is not a parameter of the module (tied aliases appear once, under "
+            "the first name)" for k in params if k not in targets]
+    out += [f"buffer {name!r} {tuple(b.shape)} is on the meta device and funshard does not "
+            "carry buffers: build the module on a real device (e.g. on rank 0 only) or "
+            "initialise its buffers first" for name, b in module.named_buffers() if b.is_meta]
+    return out
