@@ -68,14 +68,15 @@ def test_gathered_parameters_are_plain_tensors(pools, raf):
         assert got[2] == ("after 2", "LazyParam" if raf else "Tensor", "Tensor")
 
 
-def custom_function_parity(spec, raf, steps=3, per_rank=2):
+def _sgd_parity(spec, loss_fn, policy, steps=3, per_rank=2):
+    """SGD through the step on the mesh vs one process on the concatenated batch: the
+    largest parameter difference after ``steps`` steps."""
     m = mesh(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-    step = fs.train_step(lambda p, b: F.mse_loss(_forward(p, b[0]), b[1]),
-                         fs.optim.sgd(lr=0.1),
-                         policy=fs.Policy(reshard_after_forward=raf, groups=lambda fqn: "all"))
+    lf = loss_fn(model)
+    step = fs.train_step(lf, fs.optim.sgd(lr=0.1), policy=policy)
     state = step.init(fs.shard(fs.params(model), m))
     opt = torch.optim.SGD(list(ref.values()), lr=0.1)
     g = torch.Generator().manual_seed(1)
@@ -85,10 +86,15 @@ def custom_function_parity(spec, raf, steps=3, per_rank=2):
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         state, _ = step(state, (x[mine], y[mine]))
         opt.zero_grad()
-        F.mse_loss(_forward(ref, x), y).backward()
+        lf(ref, (x, y)).backward()
         opt.step()
     full = fs.unshard(state.params)
     return max((full[n] - p.detach()).abs().max().item() for n, p in ref.items())
+
+
+def custom_function_parity(spec, raf):
+    return _sgd_parity(spec, lambda model: lambda p, b: F.mse_loss(_forward(p, b[0]), b[1]),
+                       fs.Policy(reshard_after_forward=raf, groups=lambda fqn: "all"))
 
 
 @pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
@@ -145,38 +151,3 @@ def test_checkpoint_of_a_gathered_group_is_refused(pools, reentrant):
     for t, msg, same in pools.run(2, checkpoint_after_bind, reentrant):
         assert t == "NotImplementedError" and same, msg
         assert f"use_reentrant={reentrant}" in msg, msg
-
-
-def compiled_parity(spec, raf, steps=3, per_rank=2):
-    """torch.compile(loss_fn): collectives and binding break the graph (dynamo.disable), the
-    compute between compiles; parameters equal one process."""
-    torch._dynamo.reset()
-    m = mesh(spec)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
-    ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-
-    def loss_fn(p, b):
-        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
-
-    step = fs.train_step(torch.compile(loss_fn), fs.optim.sgd(lr=0.1),
-                         policy=fs.Policy(reshard_after_forward=raf))
-    state = step.init(fs.shard(fs.params(model), m))
-    opt = torch.optim.SGD(list(ref.values()), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(world * per_rank, 4, generator=g), torch.randn(world * per_rank, 3,
-                                                                          generator=g)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        state, _ = step(state, (x[mine], y[mine]))
-        opt.zero_grad()
-        loss_fn(ref, (x, y)).backward()
-        opt.step()
-    full = fs.unshard(state.params)
-    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.items())
-
-
-@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_compiled_loss_fn_trains_as_one_process(pools, raf):
-    for err in pools.run(2, compiled_parity, raf):
-        assert err < 1e-5, err
