@@ -304,3 +304,12 @@ def test_unsupported_is_refused_by_name(pools, what):
     for rank, (t, msg, unchanged) in enumerate(pools.run(2, unsupported, what)):
         assert t in ("NotImplementedError", "RuntimeError"), (rank, t, msg)
         assert UNSUPPORTED[what] in msg and unchanged, (rank, msg)
+
+
+@pytest.mark.parametrize("what", ["in_place", "in_place_frozen"])
+def test_in_place_is_refused_on_one_rank(pools, what):
+    """A world of one with no cast computes on the shards themselves (nothing is gathered):
+    a write into a parameter would change the state outside the optimizer."""
+    for t, msg, unchanged in pools.run(1, unsupported, what):
+        assert t == "RuntimeError", (t, msg)
+        assert UNSUPPORTED[what] in msg, msg

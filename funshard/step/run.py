@@ -172,6 +172,8 @@ class Run:
         for g in self.groups:
             g.finish_gather()  # a prefetch nobody used
             g.free()
+            if g.state is S.ALIASED:  # never freed: its in-place check is made here
+                g.unbind_all()
         if self.record:
             p = self.params
 
