@@ -106,7 +106,9 @@ class LazyParam(torch.Tensor):
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
 
 
-@torch._dynamo.disable  # collectives and swaps stay out of compiled graphs: a graph break
+# Not under torch._dynamo.disable: with it, a rank crashed in a later step of the same test
+# worker (test_full_shard_step_peak_below_fsdp2 after the suite); dynamo, when it traces a
+# compiled loss_fn into here, breaks the graph at the tensor swap instead.
 def _first_use(func, args: tuple, kwargs: dict):
     """An op touches a stand-in: gather and bind its group, then run the op."""
     lazies: list[LazyParam] = []
