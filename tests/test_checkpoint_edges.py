@@ -170,8 +170,8 @@ def test_one_ranks_unreadable_file_is_every_ranks_error():
 # -- async saving honours the process group's timeout ----------------------------------------
 
 
-def test_async_save_with_a_stopped_peer_fails_within_the_timeout(tmp_path):
-    (out0, err0), _ = run_fault("async_stopped", str(tmp_path), stuck=True)
+def test_async_save_with_a_stuck_peer_fails_within_the_timeout(tmp_path):
+    (out0, err0), _ = run_fault("async_stuck", str(tmp_path), stuck=True)
     assert len(out0) == 1, (out0, err0[-2000:])
     kind, msg, took = parse(out0[0])
     assert kind == "CollectiveTimeout" and 1.5 <= took <= BOUND, out0  # the 2 s, not 30 min
