@@ -87,18 +87,18 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
                             "keys": digest(sorted(info["keys"].items()))},
               full={"keys": info["keys"]})
         claim, token = _make_tmp(real)
-    here = os.path.dirname(os.path.abspath(os.fspath(path)))  # keep= prunes the named directory
-    try:
-        if async_save:
-            fut = _write_async(sd, real, token, info, keep=(keep, here), claim=claim,
-                               returns=os.path.abspath(os.fspath(path)))
-            claim = None  # the writing thread releases it
-            return fut
-        _write(sd, real, token, info, keep=(keep, here), pg=None)
-        return os.path.abspath(os.fspath(path))
-    finally:
-        if claim is not None:
-            claim.release()
+        keep = (keep, os.path.dirname(os.path.abspath(os.fspath(path))))  # prune the named dir
+        try:
+            if async_save:
+                fut = _write_async(sd, real, token, info, keep=keep, claim=claim,
+                                   returns=os.path.abspath(os.fspath(path)))
+                claim = None  # the writing thread releases it
+                return fut
+            _write(sd, real, token, info, keep=keep, pg=None)
+            return os.path.abspath(os.fspath(path))
+        finally:
+            if claim is not None:
+                claim.release()
 
 
 def _info(sd: dict[str, Any]) -> dict:
