@@ -3,8 +3,10 @@
 
 Modes (each rank prints one line ``RAISED <seconds> <type>: <message>`` or ``NO ERROR``):
 
-- ``async_stopped``: an async save, then rank 1 stops itself (SIGSTOP) while it runs: rank 0's
-  future must fail within about the 2 s timeout, not torch's default of 30 minutes.
+- ``async_stuck``: an async save whose writing thread hangs on rank 1 (a stuck disk): rank
+  0's future must fail within about the 2 s timeout, not torch's default of 30 minutes.
+- ``stopped``: after one save, rank 1 stops answering (it sleeps): rank 0's next save and
+  load each fail within about the 2 s timeout.
 - ``locked``: ``DIR/ckpt``'s save lock is held by a live process (the test's): the save waits
   about half the timeout, then raises on both ranks and writes nothing.
 - ``unreadable``: rank 1 runs as ``nobody`` and cannot read one file: the load raises on both
@@ -13,7 +15,6 @@ Modes (each rank prints one line ``RAISED <seconds> <type>: <message>`` or ``NO 
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -39,11 +40,18 @@ def attempt(fn):
               flush=True)
 
 
-if mode == "async_stopped":
+if mode == "async_stuck":
+    if rank == 1:  # its writer never returns; the test kills it
+        fs.checkpoint.saving._write_shards = lambda *args: time.sleep(3600)
     fut = fs.checkpoint.save(path, state, async_save=True)
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # stuck mid-save; the test kills it
     attempt(lambda: fut.result(timeout=120))
+    os._exit(0)
+elif mode == "stopped":
+    fs.checkpoint.save(path, state)
+    if rank == 1:
+        time.sleep(60)  # stuck; the test kills it
+    attempt(lambda: fs.checkpoint.save(path, state))
+    attempt(lambda: fs.checkpoint.load(path, like=state))
     os._exit(0)
 elif mode == "locked":
     if rank == 0:  # held by the test process: alive, on this machine

@@ -120,8 +120,9 @@ def test_one_ranks_corrupt_file_is_every_ranks_error(pools, tmp_path):
                       "file '__0_0.distcp' fails its CRC32 check (found by rank 1)")
 
 
-def run_fault(mode, base, timeout=60):
-    """Both ranks of tests/fault_checkpoint.py; -> (rank 0's lines, rank 1's lines)."""
+def run_fault(mode, base, timeout=60, stuck=False):
+    """Both ranks of tests/fault_checkpoint.py; -> (rank 0's lines, rank 1's lines).
+    ``stuck``: rank 1 never ends by itself; it is killed once rank 0 is done."""
     script = Path(__file__).with_name("fault_checkpoint.py")
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), mode, str(port), str(r), base],
@@ -129,6 +130,8 @@ def run_fault(mode, base, timeout=60):
              for r in (0, 1)]
     outs = []
     for p in procs:
+        if stuck and p is procs[1]:
+            p.kill()
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -167,13 +170,23 @@ def test_one_ranks_unreadable_file_is_every_ranks_error():
 # -- async saving honours the process group's timeout ----------------------------------------
 
 
-def test_async_save_with_a_stopped_peer_fails_within_the_timeout(tmp_path):
-    (out0, err0), _ = run_fault("async_stopped", str(tmp_path))
+def test_async_save_with_a_stuck_peer_fails_within_the_timeout(tmp_path):
+    (out0, err0), _ = run_fault("async_stuck", str(tmp_path), stuck=True)
     assert len(out0) == 1, (out0, err0[-2000:])
     kind, msg, took = parse(out0[0])
-    assert kind == "CheckpointError" and 1.5 <= took <= BOUND, out0  # the 2 s, not 30 min
+    assert kind == "CollectiveTimeout" and 1.5 <= took <= BOUND, out0  # the 2 s, not 30 min
     assert f"save to '{tmp_path}/ckpt' failed on rank 0: another rank did not answer" in msg
-    assert "timeout (2 s; make_mesh(timeout=...))" in msg
+    assert "timeout (2 s; make_mesh(timeout=...)): it is stuck, died, or did not call save" in msg
+
+
+def test_save_and_load_with_a_stopped_peer_fail_within_the_timeout(tmp_path):
+    (out0, err0), _ = run_fault("stopped", str(tmp_path), stuck=True)
+    assert len(out0) == 2, (out0, err0[-2000:])
+    for line, op in zip(out0, ("save to", "load from")):
+        kind, msg, took = parse(line)
+        assert kind == "CollectiveTimeout" and took <= BOUND, line
+        assert msg.startswith(f"{op} '{tmp_path}/ckpt' failed on rank 0: another rank did not "
+                              "answer within the process group's timeout (2 s; "), line
 
 
 # -- symlinks are followed -------------------------------------------------------------------

@@ -1,7 +1,14 @@
-"""The checkpoint error, raised on every rank with the first failing rank's message."""
+"""The checkpoint errors: the first failing rank's, raised on every rank; a peer gone.
+
+:func:`_first_error` raises the first rank's ``(type, message)`` on every rank (after the
+ranks exchanged them); :func:`peers` turns a collective that timed out or lost its peer into
+one clear error at once (:class:`~funshard.CollectiveTimeout` naming the limit, or
+:class:`CheckpointError`), instead of waiting out the timeout once more per later collective.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from typing import Any
@@ -13,6 +20,9 @@ except ImportError:  # not on Windows
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+from .._ranks import _timeout
+from ..comm import CollectiveTimeout
 
 
 class CheckpointError(RuntimeError):
@@ -78,3 +88,22 @@ def _is_comm_failure(e: BaseException) -> bool:
     text = str(e).lower()
     return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text
                                             or "connection closed" in text)
+
+
+@contextlib.contextmanager
+def peers(what: str, op: str, rank: int, pg=None):
+    """Around a save's or load's collectives: a stuck or dead peer is one clear error."""
+    try:
+        yield
+    except BaseException as e:
+        if not _is_comm_failure(e):
+            raise
+        text = str(e).strip()[:300]
+        if "time" not in text.lower():
+            raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "
+                                  f"or left the process group). Backend said: {text}") from e
+        t = _timeout(pg)
+        raise CollectiveTimeout(
+            f"{what} failed on rank {rank}: another rank did not answer within the process "
+            f"group's timeout ({'%g s' % t if t else 'torch default'}; make_mesh(timeout=...)): "
+            f"it is stuck, died, or did not call {op}. Backend said: {text}") from e

@@ -25,7 +25,7 @@ from ..state_dict import Tree, _describe_value, _flat, _like
 from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
 from .checks import agree, check_flag, check_path, digest, key_info
 from .dirs import latest
-from .errors import CheckpointError, _cause, _describe
+from .errors import CheckpointError, _cause, _describe, _is_comm_failure, peers
 
 SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
 
@@ -52,6 +52,7 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
         CheckpointError: no checkpoint, or a missing, incomplete, corrupted or unreadable one.
         ValueError: the checkpoint's keys, shapes or dtypes differ from ``like``'s, or ranks
             were given different arguments.
+        CollectiveTimeout: another rank did not answer within the process group's timeout.
 
     Example: ``state = load("ckpt/step_000100", like=step.init(fs.shard(params, mesh)))``.
     """
@@ -65,16 +66,11 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     if err is None:
         where, err = _prepare_load(real, like_sd, _rank(), _world(), verify)
     info = key_info(like_sd)
-    agree("load", err, {"path": real, "verify": verify,
-                        "like": digest(sorted(info.items()))}, full={"like": info})
     target = {k: _empty_like(v) for k, v in like_sd.items()}
-    try:
-        dcp.load(target, storage_reader=dcp.FileSystemReader(where),
-                 no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
-        r, cause = _cause(e, _rank())
-        raise CheckpointError(f"incomplete or corrupted checkpoint at {real!r}: reading it "
-                              f"failed on rank {r}: {_describe(cause)}") from e
+    with peers(f"load from {real or path!r}", "load", _rank()):
+        agree("load", err, {"path": real, "verify": verify,
+                            "like": digest(sorted(info.items()))}, full={"like": info})
+        _read(target, where, real)
     values = []
     for k, v in zip(keys, likes):
         t = target[k]
@@ -83,6 +79,19 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
             t = _like(local, v)
         values.append(t)
     return pytree.unflatten(spec, values)
+
+
+def _read(target: dict, where: str, path: str) -> None:
+    """dcp.load into ``target``; DCP raises a rank's read error on every rank."""
+    try:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(where),
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
+        if _is_comm_failure(e):
+            raise
+        r, cause = _cause(e, _rank())
+        raise CheckpointError(f"incomplete or corrupted checkpoint at {path!r}: reading it "
+                              f"failed on rank {r}: {_describe(cause)}") from e
 
 
 def _newest_in(path: str) -> tuple[str | None, tuple | None]:

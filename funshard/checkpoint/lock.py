@@ -5,11 +5,12 @@ after the commit (an async save, when its thread has committed). A second save t
 path -- an async save of this job still in flight, or another job -- waits for the claim, so
 two saves never mix and the second's clean-up never deletes the first's files in flight.
 
-The claim is atomic (``O_CREAT | O_EXCL``) and names its holder: host, boot, pid and the
-process's start time. A claim whose holder is gone is taken over: on the holder's own machine
-its process is looked up; from another machine, the holder refreshes the file's mtime every
-:data:`HEARTBEAT_S` seconds and a claim left unrefreshed for :data:`STALE_S` seconds (by the
-waiter's clock) is stale. A crash mid-save therefore never blocks the next save for long.
+The claim is atomic (``O_CREAT | O_EXCL``) and names its holder: host, boot, pid namespace,
+pid and the process's start time. A claim whose holder is gone is taken over: on the holder's
+own machine (and pid namespace) its process is looked up; from elsewhere, the holder
+refreshes the file's mtime every :data:`HEARTBEAT_S` seconds and a claim left unrefreshed for
+:data:`STALE_S` seconds (by the waiter's clock) is stale. A crash mid-save therefore never
+blocks the next save for long.
 
     >>> claim = acquire("/ckpt/step_000100", wait=60.0)   # blocks while another save runs
     >>> ...                                              # recover, write, commit
@@ -54,16 +55,25 @@ def _start_time(pid: int) -> str:
         return ""
 
 
+def _pid_ns() -> str:
+    """This process's pid namespace (containers on one host share its name, not its pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _me(token: str) -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid,
+    return {"host": socket.gethostname(), "boot": _boot_id(), "ns": _pid_ns(), "pid": pid,
             "start": _start_time(pid), "time": time.time(), "token": token}
 
 
 def _alive(holder: dict | None) -> bool | None:
     """Whether the holder's process runs; None when this machine cannot tell."""
-    if holder is None or holder.get("host") != socket.gethostname():
-        return None
+    if (holder is None or holder.get("host") != socket.gethostname()
+            or holder.get("ns") != _pid_ns()):
+        return None  # another machine, or another container's pids
     if holder.get("boot") != _boot_id():
         return False  # this machine rebooted since
     pid = holder.get("pid")

@@ -9,7 +9,6 @@ its own gloo group, with the default group's timeout.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import threading
@@ -31,7 +30,7 @@ from .atomic import FORMAT, _commit, _crc32, _recover, _write_marker
 from .checks import agree, check_flag, check_keep, check_path, digest, key_info
 from .dirs import prune
 from .errors import (CheckpointError, _cause, _describe, _first_error, _is_comm_failure,
-                     _space)
+                     _space, peers)
 from .lock import Claim, acquire
 
 
@@ -66,6 +65,11 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
         ``path`` as a str; with ``async_save`` a ``concurrent.futures.Future`` whose
         ``result()`` is the path once the checkpoint is durable and visible (it raises if
         the save failed).
+    Raises:
+        ValueError, TypeError: bad or differing arguments (on every rank; nothing written).
+        CheckpointError: a rank's write failed (the message names the rank, the path and the
+            cause: a full disk says so); the previous checkpoint at ``path`` is intact.
+        CollectiveTimeout: another rank did not answer within the process group's timeout.
 
     Example: ``save(f"ckpt/step_{state.step:06d}", state, keep=3)``.
     """
@@ -78,21 +82,23 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
             info = _info(sd)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             err = (type(e).__name__, str(e))
-    agree("save", err, {"path": real, "keep": keep, "async_save": async_save,
-                        "keys": digest(sorted(info["keys"].items()))}, full={"keys": info["keys"]})
-    claim, token = _make_tmp(real)
-    here = os.path.dirname(os.path.abspath(os.fspath(path)))  # keep= prunes the named directory
-    try:
-        if async_save:
-            fut = _write_async(sd, real, token, info, keep=(keep, here), claim=claim,
-                               returns=os.path.abspath(os.fspath(path)))
-            claim = None  # the writing thread releases it
-            return fut
-        _write(sd, real, token, info, keep=(keep, here), pg=None)
-        return os.path.abspath(os.fspath(path))
-    finally:
-        if claim is not None:
-            claim.release()
+    with peers(f"save to {real or path!r}", "save", _rank()):
+        agree("save", err, {"path": real, "keep": keep, "async_save": async_save,
+                            "keys": digest(sorted(info["keys"].items()))},
+              full={"keys": info["keys"]})
+        claim, token = _make_tmp(real)
+        keep = (keep, os.path.dirname(os.path.abspath(os.fspath(path))))  # prune the named dir
+        try:
+            if async_save:
+                fut = _write_async(sd, real, token, info, keep=keep, claim=claim,
+                                   returns=os.path.abspath(os.fspath(path)))
+                claim = None  # the writing thread releases it
+                return fut
+            _write(sd, real, token, info, keep=keep, pg=None)
+            return os.path.abspath(os.fspath(path))
+        finally:
+            if claim is not None:
+                claim.release()
 
 
 def _info(sd: dict[str, Any]) -> dict:
@@ -174,7 +180,7 @@ def _write(sd, path: str, token: str, info: dict, *, keep: tuple, pg) -> None:
     tmp = f"{path}.tmp-{token}"
     rank = _rank(pg)
     try:
-        with _collectives(path, rank, pg):
+        with peers(f"save to {path!r}", "save", rank, pg):
             gathered = _all_gather_obj(_write_shards(sd, tmp, path, rank, pg), pg)
             errors = [e for _, e in gathered]
             if not any(errors) and any(f is None for f, _ in gathered):
@@ -202,22 +208,6 @@ def _finish(gathered, tmp: str, path: str, token: str, info: dict, keep, pg) -> 
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         return [("CheckpointError", f"save: committing {path!r} failed: {_describe(e)}")]
     return []
-
-
-@contextlib.contextmanager
-def _collectives(path: str, rank: int, pg):
-    """A peer that timed out or died: one clear error now, not one per later collective."""
-    try:
-        yield
-    except BaseException as e:
-        if not _is_comm_failure(e):
-            raise
-        t = _timeout(pg)
-        raise CheckpointError(
-            f"save to {path!r} failed on rank {rank}: another rank did not answer within the "
-            f"process group's timeout ({'%g s' % t if t else 'torch default'}; "
-            "make_mesh(timeout=...)): it is stuck, died, or did not call save. Backend said: "
-            f"{str(e).strip()[:300]}") from e
 
 
 def _write_shards(sd, tmp: str, path: str, rank: int, pg) -> tuple[dict, tuple | None]:
