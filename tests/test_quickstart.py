@@ -93,3 +93,25 @@ def test_meta_model_shards_then_loads_its_rows(pools, tmp_path, spec):
     for rows, nan, refused, same in pools.run(spec, shard_meta, str(tmp_path / "w.pt")):
         assert rows and nan and same
         assert refused is not None and "is not finite (NaN or inf) at step 0" in refused, refused
+
+
+def test_namespace_and_python_m_funshard():
+    """What the README promises after `import funshard as fs`, and `python -m funshard`."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", fs.__version__)
+    for name in ("testing", "plan", "checkpoint", "optim", "pytree", "comm"):
+        assert getattr(fs, name).__name__ == f"funshard.{name}"
+    assert callable(fs.testing.Pool) and callable(fs.plan.plan)
+    assert callable(fs.optim.adamw) and callable(fs.checkpoint.export_module)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    helped = subprocess.run([sys.executable, "-m", "funshard", "--help"], capture_output=True,
+                            text=True, env=env)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"funshard {fs.__version__}:")
+    for what in ("bash scripts/demo.sh", "bash scripts/test.sh", "examples/quickstart.py",
+                 "scripts/setup.sh", "fs.checkpoint", "fs.testing", "fs.plan", "fs.optim"):
+        assert what in helped.stdout, what
+    version = subprocess.run([sys.executable, "-m", "funshard", "--version"],
+                             capture_output=True, text=True, env=env)
+    assert version.stdout == f"{fs.__version__}\n"
+    wrong = subprocess.run([sys.executable, "-m", "funshard", "train"], capture_output=True,
+                           text=True, env=env)
+    assert wrong.returncode == 2 and "no command 'train'" in wrong.stderr
