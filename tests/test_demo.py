@@ -29,10 +29,14 @@ SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "32", "--batch
 
 def test_train_checkpoint_and_resume_on_another_world(tmp_path):
     out = str(tmp_path / "run")
-    first = run_cli(*SMALL, "--steps", "30", "--ckpt-every", "15", "--out", out)
+    first = run_cli(*SMALL, "--steps", "30", "--ckpt-every", "15", "--eval-every", "10",
+                    "--out", out)
     assert first.returncode == 0, first.stderr[-3000:]
     recs = [json.loads(x) for x in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in recs] == list(range(1, 31))
+    assert [r["step"] for r in recs if "val_loss" in r] == [10, 20, 30]
+    assert recs[29]["val_loss"] < recs[9]["val_loss"]
+    assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in recs)
     assert {r["mesh"] for r in recs} == {"2x2"} and recs[0]["world"] == 4
     early = sum(r["loss"] for r in recs[:5]) / 5
     late = sum(r["loss"] for r in recs[-5:]) / 5
@@ -67,6 +71,8 @@ def test_train_checkpoint_and_resume_on_another_world(tmp_path):
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--policy", "no-shard", "--mesh", "1x4"], "--policy no-shard replicates everything"),
         (["--resume", "--out", "/nonexistent/run"], "--resume: no complete checkpoint under"),
+        (["--resume", "--force"], "--resume continues the run in --out, --force deletes it"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
         pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU here",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
     ],
@@ -101,5 +107,29 @@ def test_rank_killed_under_torchrun_restarts_and_matches_uninterrupted(tmp_path)
         return out
 
     lines = open(tmp_path / "faulty" / "metrics.jsonl").read().splitlines()
-    assert len(lines) == 22  # steps 11 and 12 ran twice: before the kill and after the restart
+    # steps 11 and 12 ran twice (before the kill and after the restart), logged once
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 21))
     assert losses("faulty") == losses("ref")
+
+
+def test_a_used_out_is_refused_without_resume_or_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000010").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert demo.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"funshard train: error: --out {out} already holds a run (metrics.jsonl, "
+                   f"{out}/checkpoints/); pass --resume to continue it, --force to delete it and "
+                   "start over, or another --out\n")
+    args = demo.build_parser().parse_args(["--out", str(out), "--force"])
+    demo.validate(args, world=4)  # accepted
+    (out / "notes.txt").write_text("mine")
+    demo._clear(args)  # what --force deletes: the run's own outputs and checkpoints, no more
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    demo._trim_metrics(path, 5)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
