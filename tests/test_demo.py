@@ -133,3 +133,31 @@ def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
     demo._trim_metrics(path, 5)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def setup_dry_run(tmp_path, wheels):
+    env = dict(os.environ, FUNSHARD_VENV=str(tmp_path / "venv"), FUNSHARD_WHEELS=str(wheels))
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "venv").exists()  # a dry run changes nothing
+    return run.stdout
+
+
+def test_setup_without_a_wheel_folder_uses_the_cpu_index(tmp_path):
+    out = setup_dry_run(tmp_path, tmp_path / "no-wheels")
+    assert "no torch 2.13.0 wheel in a local folder" in out
+    pip = [line for line in out.splitlines() if line.startswith("+ ") and " install " in line]
+    assert pip[0].endswith("install --quiet torch==2.13.0 --index-url "
+                           "https://download.pytorch.org/whl/cpu"), pip
+    assert pip[1].endswith("install --quiet -e .[test]") and len(pip) == 2
+
+
+def test_setup_with_a_wheel_folder_pins_its_cpu_wheel(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    out = setup_dry_run(tmp_path, wheels)
+    assert f"installing torch 2.13.0+cpu from the local wheel folder {wheels}" in out
+    assert f"install --quiet --find-links {wheels} torch==2.13.0+cpu\n" in out
+    assert "download.pytorch.org" not in out
