@@ -115,3 +115,12 @@ def test_namespace_and_python_m_funshard():
     wrong = subprocess.run([sys.executable, "-m", "funshard", "train"], capture_output=True,
                            text=True, env=env)
     assert wrong.returncode == 2 and "no command 'train'" in wrong.stderr
+
+
+def test_readme_shows_the_quickstart_as_it_is():
+    """The README's example block is examples/quickstart.py's main, line for line."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Example: your own model"):readme.index("## Export")]
+    block = section.split("```python\n")[1].split("```")[0]
+    source = (ROOT / "examples" / "quickstart.py").read_text()
+    assert block.startswith("def main(args):") and block in source
