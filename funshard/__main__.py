@@ -1,22 +1,45 @@
-"""``python -m funshard``: what there is to run (the library itself has no command line)."""
+"""``python -m funshard``: what there is to run and what there is to import (the library itself
+has no command line)."""
 
 import sys
 
-HELP = """\
-funshard: fully-sharded data parallelism for PyTorch as pure functions over pytrees.
+from . import __version__
+
+HELP = f"""\
+funshard {__version__}: fully-sharded data parallelism for PyTorch as pure functions over pytrees.
 
 From the repository root:
 
   bash scripts/demo.sh [FLAGS]        the demo: a byte-level GPT trained on local CPU ranks
                                       (examples/gpt/train.py; --help lists its flags)
-  python -m benchmarks.bench [FLAGS]  funshard vs FSDP2, DDP and the compute-only floor
+  torchrun --nproc-per-node 2 examples/quickstart.py
+                                      the README example: meta init, load, train, resume,
+                                      evaluate, export (--mesh 2x2 with 4 processes)
   bash scripts/test.sh [PYTEST ARGS]  the test suite
+  bash scripts/setup.sh [--dry-run]   create .venv with the CPU build of torch and funshard
+  python -m benchmarks.bench [FLAGS]  funshard vs FSDP2, DDP and the compute-only floor
+  python -m funshard --version        the version
 
-In your own code: import funshard as fs (see README.md).
+In your own code, import funshard as fs:
+
+  fs.make_mesh, fs.params, fs.shard, fs.unshard, fs.reshard, fs.reduce_grads
+  fs.train_step, fs.Policy, fs.TrainState       the training step
+  fs.state_dict, fs.load_state_dict             full / sharded / local state dicts
+  fs.optim        sgd, adamw: pure optimizers over sharded trees
+  fs.checkpoint   save, load, latest, prune, export_full, import_full, export_module
+  fs.plan         per-rank memory and traffic on paper, from shapes alone
+  fs.testing      Pool (N gloo ranks), CountCollectives, LiveMemory, small models
+  fs.pytree       optree under namespace "funshard"
+  fs.comm         the transports (c10d collectives, gloo's direct exchange)
+
+See README.md.
 """
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-V"], ["--version"]):
+        print(__version__)
+        return 0
     if argv and argv[0] not in ("-h", "--help"):
         print(f"python -m funshard: no command {argv[0]!r}; what there is:\n", file=sys.stderr)
         print(HELP, end="", file=sys.stderr)

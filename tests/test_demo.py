@@ -29,10 +29,14 @@ SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "32", "--batch
 
 def test_train_checkpoint_and_resume_on_another_world(tmp_path):
     out = str(tmp_path / "run")
-    first = run_cli(*SMALL, "--steps", "30", "--ckpt-every", "15", "--out", out)
+    first = run_cli(*SMALL, "--steps", "30", "--ckpt-every", "15", "--eval-every", "10",
+                    "--out", out)
     assert first.returncode == 0, first.stderr[-3000:]
     recs = [json.loads(x) for x in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in recs] == list(range(1, 31))
+    assert [r["step"] for r in recs if "val_loss" in r] == [10, 20, 30]
+    assert recs[29]["val_loss"] < recs[9]["val_loss"]
+    assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in recs)
     assert {r["mesh"] for r in recs} == {"2x2"} and recs[0]["world"] == 4
     early = sum(r["loss"] for r in recs[:5]) / 5
     late = sum(r["loss"] for r in recs[-5:]) / 5
@@ -67,6 +71,8 @@ def test_train_checkpoint_and_resume_on_another_world(tmp_path):
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--policy", "no-shard", "--mesh", "1x4"], "--policy no-shard replicates everything"),
         (["--resume", "--out", "/nonexistent/run"], "--resume: no complete checkpoint under"),
+        (["--resume", "--force"], "--resume continues the run in --out, --force deletes it"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
         pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU here",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
     ],
@@ -101,5 +107,57 @@ def test_rank_killed_under_torchrun_restarts_and_matches_uninterrupted(tmp_path)
         return out
 
     lines = open(tmp_path / "faulty" / "metrics.jsonl").read().splitlines()
-    assert len(lines) == 22  # steps 11 and 12 ran twice: before the kill and after the restart
+    # steps 11 and 12 ran twice (before the kill and after the restart), logged once
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 21))
     assert losses("faulty") == losses("ref")
+
+
+def test_a_used_out_is_refused_without_resume_or_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000010").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert demo.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"funshard train: error: --out {out} already holds a run (metrics.jsonl, "
+                   f"{out}/checkpoints/); pass --resume to continue it, --force to delete it and "
+                   "start over, or another --out\n")
+    args = demo.build_parser().parse_args(["--out", str(out), "--force"])
+    demo.validate(args, world=4)  # accepted
+    (out / "notes.txt").write_text("mine")
+    demo._clear(args)  # what --force deletes: the run's own outputs and checkpoints, no more
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    demo._trim_metrics(path, 5)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def setup_dry_run(tmp_path, wheels):
+    env = dict(os.environ, FUNSHARD_VENV=str(tmp_path / "venv"), FUNSHARD_WHEELS=str(wheels))
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "venv").exists()  # a dry run changes nothing
+    return run.stdout
+
+
+def test_setup_without_a_wheel_folder_uses_the_cpu_index(tmp_path):
+    out = setup_dry_run(tmp_path, tmp_path / "no-wheels")
+    assert "no torch 2.13.0 wheel in a local folder" in out
+    pip = [line for line in out.splitlines() if line.startswith("+ ") and " install " in line]
+    assert pip[0].endswith("install --quiet torch==2.13.0 --index-url "
+                           "https://download.pytorch.org/whl/cpu"), pip
+    assert pip[1].endswith("install --quiet -e .[test]") and len(pip) == 2
+
+
+def test_setup_with_a_wheel_folder_pins_its_cpu_wheel(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    out = setup_dry_run(tmp_path, wheels)
+    assert f"installing torch 2.13.0+cpu from the local wheel folder {wheels}" in out
+    assert f"install --quiet --find-links {wheels} torch==2.13.0+cpu\n" in out
+    assert "download.pytorch.org" not in out

@@ -3,6 +3,9 @@
     >>> args = build_parser().parse_args(["--nproc", "2", "--mesh", "1x2"])
     >>> validate(args, world=2)               # raises UsageError: one line, no traceback
     >>> parse_mesh("2x2", 4, "full")          # (replicate, shard) == (2, 2)
+
+A used ``--out`` is refused unless ``--resume`` (continue it) or ``--force`` (delete its
+outputs and checkpoints, then start over); a torch elastic restart resumes by itself.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=4, help="transformer blocks")
     t.add_argument("--heads", type=int, default=4, help="attention heads")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
+    t.add_argument("--warmup", type=int, default=50,
+                   help="linear warm-up steps (at most half of --steps); a short warm-up at "
+                   "--lr 3e-3 gives a loss spike (README)")
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     t.add_argument("--policy", choices=POLICIES, default="full",
                    help="full: FULL_SHARD, grad-op: SHARD_GRAD_OP, no-shard: DDP-like")
@@ -54,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-every", type=int, default=100,
                    help="checkpoint interval in steps (0: no checkpoints)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint")
+    t.add_argument("--force", action="store_true",
+                   help="start over in a used --out: delete its metrics, plot, summary, sample "
+                   "and checkpoints first")
+    t.add_argument("--eval-every", type=int, default=50,
+                   help="validation loss every this many steps (0: only at the end)")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the local processes this many times after a failure; a "
                    "restarted run resumes from the latest checkpoint (as under torchrun)")
@@ -96,6 +108,9 @@ def validate(args: argparse.Namespace, world: int) -> None:
         raise UsageError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for name in ("warmup", "eval_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("steps", "batch", "seq", "dim", "layers", "heads", "accumulate", "nproc",
                  "keep"):
         if getattr(args, name) < 1:
@@ -123,9 +138,18 @@ def validate(args: argparse.Namespace, world: int) -> None:
             f"{torch.cuda.device_count()} (NCCL ranks cannot share one); use --nproc "
             f"{torch.cuda.device_count()} or --device cpu"
         )
+    if args.resume and args.force:
+        raise UsageError("--resume continues the run in --out, --force deletes it; pick one")
     if args.resume:
         if checkpoint.latest(ckpt_dir_of(args)) is None:
             raise UsageError(f"--resume: no complete checkpoint under {ckpt_dir_of(args)}")
+    elif not args.force and not restarted():
+        used = previous_run(args)
+        if used:
+            raise UsageError(
+                f"--out {args.out} already holds a run ({', '.join(used)}); pass --resume to "
+                "continue it, --force to delete it and start over, or another --out"
+            )
     corpus = load_corpus(args.corpus)
     if len(corpus) < 2 * (args.seq + 1):
         raise UsageError(f"--corpus has {len(corpus)} bytes; it needs at least {2 * args.seq + 2}")
@@ -140,3 +164,20 @@ def device_of(args: argparse.Namespace) -> str:
 
 def ckpt_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.ckpt_dir) if args.ckpt_dir else Path(args.out) / "checkpoints"
+
+
+OUTPUTS = ("metrics.jsonl", "loss.png", "summary.json", "sample.txt")  # what a run writes
+
+
+def previous_run(args: argparse.Namespace) -> list[str]:
+    """What a run before this one left in ``--out`` (outputs, checkpoints)."""
+    out, ckpt = Path(args.out), ckpt_dir_of(args)
+    used = [name for name in OUTPUTS if (out / name).exists()]
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        used.append(f"{ckpt}/")
+    return used
+
+
+def restarted() -> bool:
+    """A torch elastic restart after a failure: it resumes by itself (never --force)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -36,6 +36,8 @@ def progress(total: int, initial: int):
 
 
 def plot(metrics: Path, png: Path) -> None:
+    """Four panels by step: train and validation loss, learning rate, gradient norm (before
+    clipping), tokens/s."""
     try:
         import matplotlib
 
@@ -44,12 +46,27 @@ def plot(metrics: Path, png: Path) -> None:
     except ImportError:
         return
     recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(f"funshard demo: {recs[-1]['world']} ranks, mesh {recs[-1]['mesh']}")
-    ax.grid(alpha=0.3)
+    steps = [r["step"] for r in recs]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    (loss, lr), (gnorm, speed) = axes
+    loss.plot(steps, [r["loss"] for r in recs], lw=1, label="train")
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    if val:
+        loss.plot(*zip(*val), "o-", ms=3, lw=1.5, label="validation")
+    loss.set_ylabel("loss (nats/byte)")
+    loss.legend()
+    lr.plot(steps, [r["lr"] for r in recs], lw=1, color="tab:green")
+    lr.set_ylabel("learning rate")
+    gnorm.plot(steps, [r["grad_norm"] for r in recs], lw=1, color="tab:red")
+    gnorm.set_ylabel("gradient norm (before clipping)")
+    gnorm.set_yscale("log")
+    speed.plot(steps, [r["tokens_per_s"] for r in recs], lw=1, color="tab:purple")
+    speed.set_ylabel("tokens/s")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle(f"funshard demo: {recs[-1]['world']} ranks, mesh {recs[-1]['mesh']}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -5,7 +5,10 @@ pre-norm blocks, tied head) on the text corpus in ``data/`` beside this file. Wi
 launcher it starts ``--nproc`` local processes itself with torch's elastic launcher (gloo on
 CPU) on a ``--mesh`` replicate x shard mesh (default 4 processes, 2x2). Under ``torchrun`` it
 uses the environment (NCCL on GPUs) and the mesh given by ``--mesh``. Rank 0 shows progress,
-writes metrics (JSON lines), a loss curve, checkpoints and a text sample under ``--out``.
+writes metrics (JSON lines), a plot (train and validation loss, learning rate, gradient norm,
+tokens/s), checkpoints and a text sample under ``--out``. A used ``--out`` needs ``--resume``
+(continue from its latest checkpoint; the metrics after it are logged again, once) or
+``--force`` (delete it and start over).
 
     bash scripts/demo.sh                                    # 4 local CPU processes, 2x2 mesh
     python examples/gpt/train.py --nproc 2 --mesh 1x2 --steps 50
@@ -21,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -29,13 +33,15 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import funshard as fs
 from funshard.testing import CountCollectives, free_port, under_torchrun
 from funshard.testing.models import GPT, gpt_loss
 
 from corpus import get_batch, load_corpus
-from flags import UsageError, build_parser, ckpt_dir_of, device_of, parse_mesh, validate
+from flags import (OUTPUTS, UsageError, build_parser, ckpt_dir_of, device_of, parse_mesh,
+                   restarted, validate)
 from report import peak_rss_mb, plot, print_summary, progress
 
 
@@ -61,7 +67,7 @@ def train(args: argparse.Namespace) -> dict:
     data = load_corpus(args.corpus)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
-    state, log = run_steps(run, state, train_data)
+    state, log = run_steps(run, state, train_data, val_data)
     return finish(run, state, log, val_data, resumed_from)
 
 
@@ -76,6 +82,8 @@ def setup(args: argparse.Namespace) -> tuple[Run, fs.TrainState, tuple | None]:
     rep, sh = parse_mesh(args.mesh, world, args.policy)
     mesh = fs.make_mesh(shard=sh, replicate=rep, device_type=device_type)
     rank = dist.get_rank()
+    if rank == 0 and args.force and not restarted():
+        _clear(args)  # before the step's first collective: no rank has written yet
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     torch.manual_seed(args.seed)
@@ -85,17 +93,35 @@ def setup(args: argparse.Namespace) -> tuple[Run, fs.TrainState, tuple | None]:
     step_fn = fs.train_step(gpt_loss(model), fs.optim.adamw(lr, weight_decay=0.1),
                             policy=policy_of(args))
     state = step_fn.init(fs.shard(fs.params(model), mesh))
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     run = Run(args, world, rank, f"{rep}x{sh}", device, model, step_fn, lr, Path(args.out),
-              ckpt_dir_of(args), restarted)
+              ckpt_dir_of(args), restarted())
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
     resumed_from = None
-    if args.resume or (restarted and fs.checkpoint.latest(run.ckpt_dir) is not None):
+    if args.resume or (run.restarted and fs.checkpoint.latest(run.ckpt_dir) is not None):
         path = fs.checkpoint.latest(run.ckpt_dir)
         state = fs.checkpoint.load(path, like=state)
         resumed_from = (str(path), state.step)
+    if rank == 0:
+        _trim_metrics(run.out / "metrics.jsonl", state.step)
     return run, state, resumed_from
+
+
+def _clear(args: argparse.Namespace) -> None:
+    """``--force``: delete what an earlier run wrote (only the files a run writes)."""
+    for name in OUTPUTS:
+        (Path(args.out) / name).unlink(missing_ok=True)
+    shutil.rmtree(ckpt_dir_of(args), ignore_errors=True)
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Keep the records up to ``step`` (where this run starts): steps after the checkpoint
+    that a resumed or restarted run computes again are logged once, by this run."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def policy_of(args: argparse.Namespace) -> fs.Policy:
@@ -111,9 +137,9 @@ def policy_of(args: argparse.Namespace) -> fs.Policy:
 
 
 def schedule(args: argparse.Namespace) -> Callable[[int], float]:
-    """Learning rate by step: linear warm-up over the first 5% of ``--steps``, then cosine
-    decay from ``--lr`` to a tenth of it."""
-    warmup = max(1, args.steps // 20)
+    """Learning rate by step: linear warm-up over ``--warmup`` steps (at most half of
+    ``--steps``), then cosine decay from ``--lr`` to a tenth of it."""
+    warmup = max(1, min(args.warmup, args.steps // 2))
 
     def lr(step: int) -> float:
         if step < warmup:
@@ -124,10 +150,11 @@ def schedule(args: argparse.Namespace) -> Callable[[int], float]:
     return lr
 
 
-def run_steps(run: Run, state: fs.TrainState, data: torch.Tensor) -> tuple[fs.TrainState, dict]:
+def run_steps(run: Run, state: fs.TrainState, data: torch.Tensor,
+              val_data: torch.Tensor) -> tuple[fs.TrainState, dict]:
     """Train up to ``--steps``: rank 0 logs every step, one steady-state step's collectives are
-    counted, a checkpoint every ``--ckpt-every`` steps. ``--fail-at-step`` kills the last rank
-    (first attempt only)."""
+    counted, a validation loss every ``--eval-every`` steps, a checkpoint every
+    ``--ckpt-every`` steps. ``--fail-at-step`` kills the last rank (first attempt only)."""
     args, rank = run.args, run.rank
     dp_rank = rank  # every rank is a data-parallel rank (HSDP: replicate x shard)
     tokens_per_step = args.batch * args.seq * run.world
@@ -150,6 +177,8 @@ def run_steps(run: Run, state: fs.TrainState, data: torch.Tensor) -> tuple[fs.Tr
             state, m = run.step_fn(state, (x.to(run.device), y.to(run.device)))
         dt = time.perf_counter() - t0
         log["losses"].append(m["loss"])
+        if args.eval_every and state.step % args.eval_every == 0:
+            m = {**m, "val_loss": evaluate(run, gather(state), val_data)}
         if rank == 0:
             _record(run, state.step, m, dt, tokens_per_step, metrics_file, bar)
         if args.ckpt_every and (state.step % args.ckpt_every == 0 or state.step == args.steps):
@@ -170,6 +199,8 @@ def _record(run: Run, step: int, m: dict, dt: float, tokens_per_step: int, metri
     rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"],
            "lr": run.lr(step - 1), "step_s": dt, "tokens_per_s": tokens_per_step / dt,
            "peak_mem_mb": peak_rss_mb(), "world": run.world, "mesh": run.mesh}
+    if "val_loss" in m:
+        rec["val_loss"] = m["val_loss"]
     metrics_file.write(json.dumps(rec) + "\n")
     metrics_file.flush()
     if bar is not None:
@@ -183,9 +214,8 @@ def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
     """Validation loss, a text sample, every rank's peak memory; rank 0 writes and prints."""
     args = run.args
     steps_run = state.step - log["first_step"]
-    with torch.no_grad():
-        full = fs.unshard(state.params)  # one gather serves evaluation and sampling
-    val = _eval(run.model, full, val_data, args, run.device)
+    full = gather(state)  # one gather serves evaluation and sampling
+    val = evaluate(run, full, val_data)
     sample = _sample(run.model, full, args, run.device)
     del full
     peaks = [None] * run.world
@@ -213,14 +243,34 @@ def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
     return summary
 
 
+VAL_SEQS = 32  # validation sequences, the same set on every world size
+
+
 @torch.no_grad()
-def _eval(model, full, data, args, device) -> float:
-    """Mean validation loss over a few fixed batches, with the full parameters."""
-    loss_fn = gpt_loss(model)
-    losses = [loss_fn(full, tuple(t.to(device) for t in
-                                  get_batch(data, i, 0, args.batch, args.seq, args.seed + 1)))
-              .item() for i in range(4)]
-    return sum(losses) / len(losses)
+def gather(state: fs.TrainState) -> dict:
+    """Every parameter, full, on every rank (one all-gather per group; no gradients).
+
+    EVALUATION: this holds the whole model at once; the forward-only entry that gathers one
+    group at a time (``fs.eval_step``) is on its way and replaces it here and in sampling.
+    """
+    return fs.unshard(state.params)
+
+
+@torch.no_grad()
+def evaluate(run: Run, full: dict, data: torch.Tensor) -> float:
+    """Mean next-byte loss over ``VAL_SEQS`` fixed sequences of the held-out text; each rank
+    computes its share and one all-reduce sums them (the same number on every world size)."""
+    args = run.args
+    x, y = get_batch(data, 0, 0, VAL_SEQS, args.seq, args.seed + 1)  # (VAL_SEQS, seq) each
+    x, y = x.tensor_split(run.world)[run.rank], y.tensor_split(run.world)[run.rank]
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    if len(x):
+        logits = torch.func.functional_call(run.model, full, (x.to(run.device),))  # (b, T, V)
+        total[0] = F.cross_entropy(logits.flatten(0, 1).float(), y.to(run.device).flatten(),
+                                   reduction="sum")
+        total[1] = y.numel()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
 
 
 @torch.no_grad()
