@@ -15,6 +15,7 @@ from .apply import as_optimizer
 from .base import Delta, EmptyState, GradientTransformation, Optimizer, materialize
 from .clip import all_finite, apply_if_finite, clip_by_global_norm, global_norm
 from .combine import MultiTransformState, chain, masked, multi_transform, set_to_zero
+from .muon import MuonState, muon, newton_schulz, owners, scale_by_muon
 from .torch_optim import ELEMENTWISE, TorchState, from_torch
 from .schedules import constant, cosine, join, linear, warmup_cosine
 from .transforms import (AdamState, AdamWState, SGDState, TraceState, add_decayed_weights, scale,
@@ -24,7 +25,8 @@ __all__ = [
     "AdamState", "AdamWState", "Delta", "EmptyState", "GradientTransformation",
     "MultiTransformState", "Optimizer", "SGDState", "TraceState", "adam", "adamw",
     "add_decayed_weights", "all_finite", "apply_if_finite", "as_optimizer", "chain",
-    "ELEMENTWISE", "TorchState", "from_torch",
+    "ELEMENTWISE", "TorchState", "from_torch", "MuonState", "muon", "newton_schulz",
+    "owners", "scale_by_muon",
     "clip_by_global_norm", "constant", "cosine", "global_norm", "join", "linear", "masked",
     "materialize", "multi_transform", "scale", "scale_by_adam", "scale_by_learning_rate",
     "set_to_zero", "sgd", "trace", "warmup_cosine",

@@ -75,6 +75,7 @@ class Delta:
     wd: float = 0.0
     wd_numer: float = 1.0
     wd_divisor: float = 1.0
+    final: bool = False  # a finished direction (Muon's): weight decay after it is decoupled
 
     @property
     def plain(self) -> bool:
@@ -83,7 +84,8 @@ class Delta:
     @property
     def coupled(self) -> bool:
         """Weight decay added to the raw update before any scaling (SGD's L2 penalty)."""
-        return self.den is None and (self.wd_numer, self.wd_divisor) == (self.numer, self.divisor)
+        return (self.den is None and not self.final
+                and (self.wd_numer, self.wd_divisor) == (self.numer, self.divisor))
 
     def scaled(self, factor: float) -> "Delta":
         return dataclasses.replace(self, numer=self.numer * factor, wd_numer=self.wd_numer * factor)

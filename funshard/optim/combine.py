@@ -10,6 +10,7 @@ and ``multi_transform`` (a transformation per label), as in optax.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Hashable, NamedTuple, Union
 
 import optree
@@ -67,7 +68,12 @@ def _per_leaf(spec_tree: Any, params: Tree, what: str) -> list:
     """A value per params leaf from a callable ``fqn -> value`` or a (prefix) tree of values."""
     paths, leaves, _ = flatten(params)
     if callable(spec_tree):
-        return [spec_tree(path_str(p)) for p in paths]
+        try:
+            two = len(inspect.signature(spec_tree).parameters) == 2
+        except (TypeError, ValueError):
+            two = False
+        return [spec_tree(path_str(p), x) if two else spec_tree(path_str(p))
+                for p, x in zip(paths, leaves)]
     try:
         full = optree.tree_broadcast_prefix(spec_tree, params, is_leaf=is_none,
                                             none_is_leaf=False, namespace="funshard")
@@ -125,7 +131,8 @@ def multi_transform(transforms: dict[Hashable, Transform],
 
     Args:
         transforms: ``{label: transformation}``, e.g. a different learning rate per group.
-        labels: a tree of labels with the params' structure (or a prefix), or ``fqn -> label``.
+        labels: a tree of labels with the params' structure (or a prefix), or a callable
+            ``fqn -> label`` or ``(fqn, param) -> label``.
     Returns:
         A transformation with state :class:`MultiTransformState`.
     """
