@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from ..layout import layout_of
 from ..mesh import process_groups, replicas
+from ..reduce import local_sq_norm
 from .base import (EmptyState, GradientTransformation, Tree, as_delta, flatten, materialize,
                    path_str, unflatten)
 
@@ -56,11 +57,8 @@ def global_norm(updates: Tree, params: Tree) -> float:
         p = p_leaves[i]
         sharded = isinstance(p, DTensor) and layout_of(path_str(paths[i]), p).sharded
         weights.append(1.0 / rep if sharded else 1.0 / world)
-    sq = torch.zeros((), dtype=torch.float64, device=_device(p_leaves))
-    if idx:
-        norms = torch._foreach_norm([materialize(u_leaves[i], p_leaves[i]).float() for i in idx])
-        w = torch.tensor(weights, dtype=torch.float64, device=sq.device)
-        sq = (torch.stack(norms).double() ** 2 * w).sum()
+    sq = local_sq_norm([materialize(u_leaves[i], p_leaves[i]) for i in idx], weights,
+                       _device(p_leaves))
     sq = _all_reduce(sq, mesh, dist.ReduceOp.SUM, "all-reduce of the gradient norm")
     return sq.clamp_min(0).sqrt().item()
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .base import (Delta, EmptyState, GradientTransformation, ScalarOrSchedule, Tree, as_delta,
-                   check, check_lr, flatten, group_by, local, lr_at, materialize, unflatten,
+                   check, check_lr, flatten, group_by, local, lr_at, materialize, path_str, unflatten,
                    zeros_tree)
 
 
@@ -41,14 +41,14 @@ def active(updates: Tree, params: Tree, *states: Tree):
     """Flatten; the positions with an update, their materialized local updates, params and
     local state tensors. Returns ``(spec, leaves, idx, grads, params, [state lists])``."""
     _, u_leaves, spec = flatten(updates)
-    p_leaves = flatten(params)[1]
+    paths, p_leaves, _ = flatten(params)
     s_leaves = [flatten(s)[1] for s in states]
     idx = [i for i, u in enumerate(u_leaves) if u is not None]
     for s in s_leaves:
         missing = [i for i in idx if s[i] is None]
         if missing:
-            raise ValueError(f"an update reached leaf #{missing[0]}, which has no optimizer state "
-                             "(it was frozen or absent at init)")
+            raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
+                             "optimizer state (it was frozen or absent at init)")
     grads = [materialize(u_leaves[i], p_leaves[i]) for i in idx]
     return (spec, u_leaves, idx, grads, [local(p_leaves[i]) for i in idx],
             [[local(s[i]) for i in idx] for s in s_leaves])
