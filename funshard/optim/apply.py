@@ -1,0 +1,91 @@
+"""From a transformation to an :class:`~funshard.optim.base.Optimizer`: check the trees, run
+the transformation on the local shards, write each leaf's pending update into its parameter.
+
+    >>> opt = as_optimizer(chain(scale_by_adam(), scale_by_learning_rate(1e-3)).transform)
+    >>> params, state = opt.update(grads, state, params, step=0)     # params updated in place
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .base import (Delta, GradientTransformation, Optimizer, Tree, as_delta, flatten, group_by,
+                   local, path_str, unflatten)
+
+
+def as_optimizer(transform: GradientTransformation) -> Optimizer:
+    """The :class:`Optimizer` that applies ``transform``'s updates to the params (donating)."""
+
+    def update(grads: Tree, state: Tree, params: Tree, *, step: int) -> tuple[Tree, Tree]:
+        spec, paths, p_leaves, deltas = deltas_of(grads, params, step)
+        out, new_state = transform.update(unflatten(spec, deltas), state, params, step=step)
+        o_paths, o_leaves, _ = flatten(out)
+        if o_paths != paths:
+            raise ValueError("the transformation returned updates whose tree differs from the "
+                             f"params tree ({len(o_leaves)} leaves vs {len(paths)})")
+        with torch.no_grad():
+            _write([as_delta(u) for u in o_leaves], p_leaves)
+        return unflatten(spec, p_leaves), new_state
+
+    return Optimizer(transform.init, update, transform)
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"Invalid step: {step!r} (valid range: int >= 0)")
+
+
+def deltas_of(grads: Tree, params: Tree, step: int):
+    """Align grads with params; one plain :class:`Delta` (local, params' dtype) per grad."""
+    _check_step(step)
+    p_paths, p_leaves, spec = flatten(params)
+    g_paths, g_leaves, g_spec = flatten(grads)
+    if p_paths != g_paths:
+        a, b = next((a, b) for a, b in zip(p_paths + [None], g_paths + [None]) if a != b)
+        raise ValueError(
+            "grads and params trees differ: first differing path is "
+            f"{path_str(a) if a is not None else '<missing>'} in params vs "
+            f"{path_str(b) if b is not None else '<missing>'} in grads")
+    if g_spec != spec:
+        raise ValueError(f"grads and params trees have different node types: {g_spec} vs {spec}")
+    deltas = []
+    for path, p, g in zip(p_paths, p_leaves, g_leaves):
+        deltas.append(None if g is None or p is None else Delta(_grad_local(path, p, g)))
+    return spec, p_paths, p_leaves, deltas
+
+
+def _grad_local(path: tuple, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    local_shaped = isinstance(p, DTensor) and not isinstance(g, DTensor) and g.shape == local(p).shape
+    if g.shape != p.shape and not local_shaped:
+        raise ValueError(f"grad shape mismatch at {path_str(path)}: param {tuple(p.shape)} vs grad "
+                         f"{tuple(g.shape)}")
+    if isinstance(p, DTensor) and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        raise ValueError(f"grad placements at {path_str(path)} are {g.placements}, param has "
+                         f"{p.placements}")
+    if not p.requires_grad:
+        raise ValueError(f"grad given for {path_str(path)} which has no optimizer state "
+                         "(requires_grad=False at init)")
+    pl, gl = local(p), local(g)
+    return gl if gl.dtype == pl.dtype else gl.to(pl.dtype)
+
+
+def _write(deltas: list, params: list) -> None:
+    """``p <- p + delta`` for every leaf with a delta, with torch's fused ops (foreach)."""
+    idx = [i for i, d in enumerate(deltas) if d is not None]
+    ds, ps = [deltas[i] for i in idx], [local(params[i]) for i in idx]
+    keys = [(p.device, p.dtype, d.den is None, d.coupled and d.wd != 0.0, d.numer / d.divisor,
+             d.wd * (d.wd_numer / d.wd_divisor) if not d.coupled else d.wd) for d, p in zip(ds, ps)]
+    for (_, _, no_den, coupled, s, wd), (dg, pg) in group_by(keys, ds, ps):
+        nums = [d.num for d in dg]
+        if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it
+            torch._foreach_add_(pg, torch._foreach_add(nums, pg, alpha=wd), alpha=s)
+            continue
+        if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
+            torch._foreach_mul_(pg, 1 + wd)
+        if no_den:
+            torch._foreach_add_(pg, nums, alpha=s)
+        else:
+            torch._foreach_addcdiv_(pg, nums, [d.den for d in dg], s)

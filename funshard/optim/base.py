@@ -1,0 +1,182 @@
+"""The two shapes of ``fs.optim``: a :class:`GradientTransformation` and an :class:`Optimizer`.
+
+A ``GradientTransformation(init, update)`` is optax's idea: ``init(params) -> state`` and
+``update(updates, state, params, *, step) -> (updates, state)``, pure pieces that
+:func:`~funshard.optim.chain` composes. An :class:`Optimizer` is a transformation applied:
+``update(grads, state, params, *, step) -> (new_params, new_state)`` (what ``fs.train_step``
+calls). State leaves are DTensors sharded like the params (``None`` for frozen leaves), so
+``fs.state_dict`` and ``fs.checkpoint`` handle them; the math runs on local shards.
+
+[Note: pending updates] An update travelling down a chain is, per leaf, a :class:`Delta`:
+``(numer / divisor) * num / den + wd * (wd_numer / wd_divisor) * param`` with tensors
+``num``, ``den`` (or None) and Python scalars. Scalings (learning rate, clipping) and
+decoupled weight decay stay scalars until the parameter is written, which then takes torch's
+own ops: ``p.mul_(1 - lr * wd); p.addcdiv_(m, denom, value=-lr / bc1)`` for AdamW,
+``p.add_(g + wd * p, alpha=-lr)`` for SGD. So the chains give torch.optim's numbers bit for
+bit and no update-sized temporary is made. A transform that needs the update's values calls
+:func:`materialize` (a plain tensor per leaf); a custom transform may return plain tensors.
+
+Donation rule: like JAX donated buffers, ``Optimizer.update`` modifies the local shards of
+``params`` and of ``state`` IN PLACE (under ``torch.no_grad()``) and returns trees sharing
+storage with its inputs; do not use the old ``params`` / ``state`` after the call. Parameter
+leaves keep their identity. Grads are never modified; transforms must not write into the
+tensors of the updates they are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+Tree = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``, ``update(updates, state, params, *, step) -> (updates, state)``.
+
+    ``stateless=True`` marks a transformation whose state is always ``EmptyState()``; a chain
+    leaves such states out of its own.
+    """
+
+    init: Callable[[Tree], Tree]
+    update: Callable[..., tuple[Tree, Tree]]
+    stateless: bool = False
+
+
+class Optimizer(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params, *, step) -> (params, state)``.
+
+    ``transform`` is the :class:`GradientTransformation` it applies (what ``chain`` composes).
+    """
+
+    init: Callable[[Tree], Tree]
+    update: Callable[..., tuple[Tree, Tree]]
+    transform: Optional[GradientTransformation] = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation: no leaves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """One leaf's pending update (see [Note: pending updates]); ``num`` is a local tensor."""
+
+    num: torch.Tensor
+    den: Optional[torch.Tensor] = None
+    numer: float = 1.0
+    divisor: float = 1.0
+    wd: float = 0.0
+    wd_numer: float = 1.0
+    wd_divisor: float = 1.0
+    final: bool = False  # a finished direction (Muon's): weight decay after it is decoupled
+
+    @property
+    def plain(self) -> bool:
+        return self.den is None and self.numer == 1.0 and self.divisor == 1.0 and self.wd == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Weight decay added to the raw update before any scaling (SGD's L2 penalty)."""
+        return (self.den is None and not self.final
+                and (self.wd_numer, self.wd_divisor) == (self.numer, self.divisor))
+
+    def scaled(self, factor: float) -> "Delta":
+        return dataclasses.replace(self, numer=self.numer * factor, wd_numer=self.wd_numer * factor)
+
+
+# -- trees ------------------------------------------------------------------------------
+
+
+def is_none(x: Any) -> bool:
+    return x is None
+
+
+def flatten(tree: Tree) -> tuple[list, list, Any]:
+    """Paths, leaves and structure, ``None`` kept as a leaf so trees with holes stay aligned."""
+    return optree.tree_flatten_with_path(tree, is_leaf=is_none, none_is_leaf=False,
+                                         namespace="funshard")
+
+
+def unflatten(spec: Any, leaves: list) -> Tree:
+    return optree.tree_unflatten(spec, leaves)
+
+
+def path_str(path: tuple) -> str:
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def zeros_like(p: Any) -> Any:
+    """Zero state sharded like ``p``; ``None`` for frozen (requires_grad=False) or absent ``p``."""
+    if p is None or not p.requires_grad:
+        return None
+    z = torch.zeros_like(local(p).detach(), memory_format=torch.preserve_format)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(z, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return z
+
+
+def zeros_tree(params: Tree) -> Tree:
+    return optree.tree_map(zeros_like, params, is_leaf=is_none, none_is_leaf=False,
+                           namespace="funshard")
+
+
+def as_delta(u: Any) -> Optional[Delta]:
+    """A transform's output leaf as a Delta: plain tensors (a custom transform's) are wrapped."""
+    if u is None or isinstance(u, Delta):
+        return u
+    return Delta(local(u))
+
+
+def materialize(d: Optional[Delta], p: Any) -> Optional[torch.Tensor]:
+    """The update's values as one local tensor (``d.num`` itself when nothing is pending)."""
+    d = as_delta(d)
+    if d is None or d.plain:
+        return None if d is None else d.num
+    s = d.numer / d.divisor
+    if d.coupled and d.wd != 0.0:  # SGD's L2 penalty: g + wd * p, as torch adds it
+        t = torch.add(d.num, local(p), alpha=d.wd)
+        return t if s == 1.0 else torch.mul(t, s)
+    t = d.num if d.den is None else torch.div(d.num, d.den)
+    if s != 1.0:
+        t = torch.mul(t, s)
+    if d.wd != 0.0:
+        t = torch.add(t, local(p), alpha=d.wd * (d.wd_numer / d.wd_divisor))
+    return t
+
+
+def group_by(keys: list, *lists: list) -> list[tuple[Any, list[list]]]:
+    """Split parallel lists by a key per position: ``[(key, [sublist per list]), ...]``."""
+    out: dict[Any, list[list]] = {}
+    for j, k in enumerate(keys):
+        g = out.setdefault(k, [[] for _ in lists])
+        for i, lst in enumerate(lists):
+            g[i].append(lst[j])
+    return list(out.items())
+
+
+def check(name: str, value: float, ok: bool, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"Invalid {name}: {value!r} (valid range: {valid})")
+
+
+def check_lr(lr: ScalarOrSchedule) -> None:
+    if not callable(lr):
+        check("lr", lr, float(lr) >= 0.0, "lr >= 0")
+
+
+def lr_at(lr: ScalarOrSchedule, step: int) -> float:
+    value = float(lr(step)) if callable(lr) else float(lr)
+    check(f"lr (schedule value at step {step})", value, value >= 0.0, "lr >= 0")
+    return value

@@ -1,0 +1,168 @@
+"""Any elementwise ``torch.optim`` optimizer on the local shards: ``from_torch(torch.optim.Adam,
+lr=1e-3)``. Elementwise means each element's update depends only on that element's gradient
+and state (plus per-parameter scalars such as the step count), so running the optimizer on
+each rank's shard gives the same numbers as running it on the whole parameter.
+
+Each update builds one torch optimizer over this rank's local shards (as leaf views sharing
+their storage), hands it the state as views of the DTensor state (so torch writes into it),
+calls ``step()`` and drops it. A leaf torch has not stepped yet gets torch's own initial
+state. State: :class:`TorchState`, per torch state key a tree sharded like the params
+(elementwise keys) or of 0-dim DTensors replicated on the mesh (per-parameter scalars such
+as ``step``), so ``fs.state_dict`` / ``fs.checkpoint`` save it and load it resharded.
+
+    >>> opt = from_torch(torch.optim.Adam, lr=1e-3, foreach=False)   # per leaf: lean memory
+    >>> state = opt.init(params)       # TorchState(state={"step": .., "exp_avg": .., ..}, ..)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from .apply import deltas_of
+from .base import (Optimizer, Tree, flatten, local, lr_at, materialize, unflatten, zeros_like)
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop",
+               "ASGD", "NAdam", "RAdam")
+REFUSED = {
+    "Adafactor": "its second moment of a matrix is factored into row and column means, which "
+                 "need whole rows and columns; a shard holds only some rows",
+    "Muon": "it orthogonalises each whole matrix (Newton-Schulz on the full gradient); use "
+            "fs.optim.muon, which assembles each matrix on one owner rank",
+    "LBFGS": "it needs a closure re-evaluating the loss and keeps a history of the whole "
+             "flattened parameter vector (dot products over all elements)",
+    "SparseAdam": "it takes sparse gradients; funshard's gradients are dense shards",
+}
+POINTER = (f"Elementwise torch.optim optimizers work ({', '.join(ELEMENTWISE)}), as do the "
+           "fs.optim chains (adamw, sgd, chain(...)) and fs.optim.muon.")
+
+
+class TorchState(NamedTuple):
+    """``state``: per torch state key (``exp_avg``, ``step``, ...) a tree like the params;
+    ``stepped``: per leaf a 0-dim int64 count of the steps torch has taken on it."""
+
+    state: dict
+    stepped: Tree
+
+
+def _check_class(cls: Any, elementwise: bool) -> str:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"from_torch: expected a torch.optim.Optimizer class, got {cls!r}")
+    name = cls.__name__
+    if name in REFUSED:
+        raise ValueError(f"from_torch: torch.optim.{name} is refused: {REFUSED[name]}. {POINTER}")
+    if name not in ELEMENTWISE and not elementwise:
+        raise ValueError(
+            f"from_torch: {cls.__module__}.{name} is not known to be elementwise, and on shards a "
+            "non-elementwise update is silently wrong. If each element's update depends only on "
+            f"its own gradient and state, pass elementwise=True. {POINTER}")
+    return name
+
+
+def _replicated(t: torch.Tensor, like: Any) -> Any:
+    if isinstance(like, DTensor):
+        m = like.device_mesh
+        return DTensor.from_local(t, m, [Replicate()] * m.ndim, run_check=False)
+    return t
+
+
+def _probe(cls, kwargs: dict, like: torch.Tensor) -> dict[str, tuple]:
+    """Torch's state keys for one parameter, ``{key: (elementwise, scalar's device or None,
+    dtype)}``, from one step on a two-element dummy (elementwise keys have its shape)."""
+    dummy = torch.zeros(2, dtype=like.dtype, device=like.device)
+    dummy.grad = torch.zeros_like(dummy)
+    opt = cls([dummy], **{**kwargs, "lr": 0.0} if "lr" in kwargs else kwargs)
+    opt.step()
+    keys = {}
+    for k, v in opt.state[dummy].items():
+        if not torch.is_tensor(v) or v.shape not in (dummy.shape, torch.Size([])):
+            raise ValueError(f"from_torch: {cls.__name__}'s state {k!r} is {type(v).__name__} "
+                             f"{tuple(getattr(v, 'shape', ()))}: neither elementwise nor a scalar "
+                             f"tensor, so it cannot be sharded. {POINTER}")
+        keys[k] = (v.shape == dummy.shape, v.device if v.shape != dummy.shape else None, v.dtype)
+    return keys
+
+
+def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
+    """Run ``cls(params, **kwargs)`` on each rank's local shards.
+
+    Args:
+        cls: an elementwise ``torch.optim.Optimizer`` class (Adam, AdamW, SGD, RMSprop, ...).
+            Adafactor, Muon, LBFGS and SparseAdam are refused with the reason.
+        elementwise: vouch that a class not in :data:`ELEMENTWISE` is elementwise.
+        kwargs: the optimizer's arguments; ``lr`` may be a schedule ``step -> lr``.
+    Returns:
+        An :class:`Optimizer` (its ``update`` donates params and state), state
+        :class:`TorchState`. ``foreach=False`` or ``fused=True`` keep the transients to one
+        leaf's size.
+    """
+    _check_class(cls, elementwise)
+    lr = kwargs.get("lr")
+    fixed = {k: v for k, v in kwargs.items() if not (k == "lr" and callable(v))}
+    probed: dict = {}
+
+    def keys_for(p: torch.Tensor) -> dict:
+        if "keys" not in probed:
+            probed["keys"] = _probe(cls, fixed, local(p))
+        return probed["keys"]
+
+    def init(params: Tree) -> TorchState:
+        _, leaves, spec = flatten(params)
+        live = [p for p in leaves if p is not None and p.requires_grad]
+        keys = keys_for(live[0]) if live else {}
+        state = {}
+        for k, (elem, dev, dtype) in keys.items():
+            state[k] = unflatten(spec, [None if p is None or not p.requires_grad else
+                                        zeros_like(p) if elem else
+                                        _replicated(torch.zeros((), dtype=dtype, device=local(p).device), p)
+                                        for p in leaves])
+        stepped = unflatten(spec, [None if p is None or not p.requires_grad else
+                                   _replicated(torch.zeros((), dtype=torch.int64, device=local(p).device), p)
+                                   for p in leaves])
+        return TorchState(state, stepped)
+
+    def update(grads: Tree, state: TorchState, params: Tree, *, step: int):
+        spec, _, p_leaves, deltas = deltas_of(grads, params, step)
+        idx = [i for i, d in enumerate(deltas) if d is not None]
+        if idx:
+            _step(cls, fixed, lr, step, keys_for(p_leaves[idx[0]]), state, p_leaves, deltas, idx)
+        return unflatten(spec, p_leaves), state
+
+    return Optimizer(init, update)
+
+
+def _step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState, p_leaves: list,
+          deltas: list, idx: list[int]) -> None:
+    """One torch ``step()`` over the local shards of the leaves with a gradient."""
+    s_leaves = {k: flatten(t)[1] for k, t in state.state.items()}
+    counts = flatten(state.stepped)[1]
+    views = []
+    for i in idx:
+        v = local(p_leaves[i]).detach()  # a leaf sharing the shard's storage
+        v.grad = materialize(deltas[i], p_leaves[i])
+        views.append(v)
+    kwargs = dict(fixed)
+    if callable(lr):
+        kwargs["lr"] = lr_at(lr, step)
+    opt = cls(views, **kwargs)
+    if any(counts[i] is None for i in idx):
+        raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
+                         "(requires_grad=False at init)")
+    started = torch.stack([local(counts[i]) for i in idx]).tolist()  # one sync
+    ours = {}
+    for v, i, n in zip(views, idx, started):
+        ours[i] = {k: local(s_leaves[k][i]) for k in keys}
+        if n > 0:
+            opt.state[v] = {k: (t if keys[k][1] is None or t.device == keys[k][1] else t.to(keys[k][1]))
+                            for k, t in ours[i].items()}
+    opt.step()
+    with torch.no_grad():
+        for v, i in zip(views, idx):
+            for k, t in ours[i].items():
+                theirs = opt.state[v][k]
+                if theirs is not t:
+                    t.copy_(theirs)
+            local(counts[i]).add_(1)
+            v.grad = None

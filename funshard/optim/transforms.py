@@ -1,0 +1,173 @@
+"""The elementwise transformations: Adam's moments, SGD's momentum (``trace``), scaling by a
+number or a learning-rate schedule, weight decay. Each is ``GradientTransformation(init,
+update)``; their math is torch.optim's (foreach), op for op.
+
+    >>> adamw = chain(scale_by_adam(0.9, 0.999, 1e-8), add_decayed_weights(0.01),
+    ...               scale_by_learning_rate(warmup_cosine(3e-4, 100, 10_000)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from .base import (Delta, EmptyState, GradientTransformation, ScalarOrSchedule, Tree, as_delta,
+                   check, check_lr, flatten, group_by, local, lr_at, materialize, path_str, unflatten,
+                   zeros_tree)
+
+
+class AdamState(NamedTuple):
+    """Adam's first and second moment estimates, each mirroring params (DTensors)."""
+
+    exp_avg: Tree
+    exp_avg_sq: Tree
+
+
+AdamWState = AdamState  # the name fs.optim.adamw's state always had
+
+
+class TraceState(NamedTuple):
+    """SGD's momentum: ``momentum_buffer`` mirrors params (``None`` leaves when momentum == 0)."""
+
+    momentum_buffer: Tree
+
+
+SGDState = TraceState  # the name fs.optim.sgd's state always had
+
+
+def active(updates: Tree, params: Tree, *states: Tree):
+    """Flatten; the positions with an update, their materialized local updates, params and
+    local state tensors. Returns ``(spec, leaves, idx, grads, params, [state lists])``."""
+    _, u_leaves, spec = flatten(updates)
+    paths, p_leaves, _ = flatten(params)
+    s_leaves = [flatten(s)[1] for s in states]
+    idx = [i for i, u in enumerate(u_leaves) if u is not None]
+    for s in s_leaves:
+        missing = [i for i in idx if s[i] is None]
+        if missing:
+            raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
+                             "optimizer state (it was frozen or absent at init)")
+    grads = [materialize(u_leaves[i], p_leaves[i]) for i in idx]
+    return (spec, u_leaves, idx, grads, [local(p_leaves[i]) for i in idx],
+            [[local(s[i]) for i in idx] for s in s_leaves])
+
+
+def by_device(idx: list, grads: list, *lists: list) -> list[list[list]]:
+    """``[positions, grads, *lists]`` per (device, dtype) of the grads: one foreach call each."""
+    return [g for _, g in group_by([(t.device, t.dtype) for t in grads], idx, grads, *lists)]
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``m_hat / (sqrt(v_hat) + eps)`` (bias corrections use ``step + 1``).
+
+    State :class:`AdamState` (``exp_avg``, ``exp_avg_sq``), zeros sharded like params.
+    """
+    check("betas[0]", b1, 0.0 <= b1 < 1.0, "0 <= beta1 < 1")
+    check("betas[1]", b2, 0.0 <= b2 < 1.0, "0 <= beta2 < 1")
+    check("eps", eps, eps >= 0.0, "eps >= 0")
+
+    def init(params: Tree) -> AdamState:
+        return AdamState(zeros_tree(params), zeros_tree(params))
+
+    def update(updates: Tree, state: AdamState, params: Tree, *, step: int):
+        spec, leaves, idx, grads, _, (m, v) = active(updates, params, state.exp_avg,
+                                                     state.exp_avg_sq)
+        bias_correction1 = 1 - b1 ** float(step + 1)
+        bias_correction2_sqrt = (1 - b2 ** float(step + 1)) ** 0.5
+        out = list(leaves)
+        with torch.no_grad():
+            for pos, gs, ms, vs in by_device(idx, grads, m, v):
+                torch._foreach_lerp_(ms, gs, 1 - b1)
+                torch._foreach_mul_(vs, b2)
+                torch._foreach_addcmul_(vs, gs, gs, 1 - b2)
+                denom = torch._foreach_sqrt(vs)
+                torch._foreach_div_(denom, bias_correction2_sqrt)
+                torch._foreach_add_(denom, eps)
+                for i, mm, dd in zip(pos, ms, denom):
+                    out[i] = Delta(mm, dd, divisor=bias_correction1)
+        return unflatten(spec, out), state
+
+    return GradientTransformation(init, update)
+
+
+def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+    """SGD's momentum buffer ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at step 0).
+
+    State :class:`TraceState`; with ``momentum == 0`` it holds ``None`` leaves and passes the
+    updates through.
+    """
+    check("momentum", momentum, momentum >= 0.0, "momentum >= 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"Invalid nesterov=True with momentum={momentum!r}, dampening={dampening!r} "
+                         "(valid range: momentum > 0 and dampening == 0)")
+
+    def init(params: Tree) -> TraceState:
+        if momentum == 0:
+            _, leaves, spec = flatten(params)
+            return TraceState(unflatten(spec, [None] * len(leaves)))
+        return TraceState(zeros_tree(params))
+
+    def update(updates: Tree, state: TraceState, params: Tree, *, step: int):
+        if momentum == 0:
+            return updates, state
+        spec, leaves, idx, grads, _, (bufs,) = active(updates, params, state.momentum_buffer)
+        out = list(leaves)
+        with torch.no_grad():
+            for pos, gs, bs in by_device(idx, grads, bufs):
+                if step == 0:
+                    torch._foreach_copy_(bs, gs)
+                else:
+                    torch._foreach_mul_(bs, momentum)
+                    torch._foreach_add_(bs, gs, alpha=1 - dampening)
+                res = torch._foreach_add(gs, bs, alpha=momentum) if nesterov else bs
+                for i, r in zip(pos, res):
+                    out[i] = Delta(r)
+        return unflatten(spec, out), state
+
+    return GradientTransformation(init, update)
+
+
+def _scale_all(updates: Tree, factor: float) -> Tree:
+    _, leaves, spec = flatten(updates)
+    return unflatten(spec, [None if u is None else as_delta(u).scaled(factor) for u in leaves])
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply the updates by ``factor`` (no tensor is touched: the factor stays pending)."""
+    return GradientTransformation(lambda params: EmptyState(),
+                                  lambda u, s, p, *, step: (_scale_all(u, factor), s), True)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
+    """Multiply the updates by ``-lr`` (descent); ``lr`` a number or a schedule ``step -> lr``."""
+    check_lr(lr)
+    return GradientTransformation(lambda params: EmptyState(),
+                                  lambda u, s, p, *, step: (_scale_all(u, -lr_at(lr, step)), s), True)
+
+
+def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
+    """Add ``weight_decay * param`` to the updates: before Adam's scaling it is an L2 penalty
+    (Adam, SGD), after it decoupled decay (AdamW). ``mask``: see :func:`masked`."""
+    check("weight_decay", weight_decay, weight_decay >= 0.0, "weight_decay >= 0")
+
+    def update(updates: Tree, state: Tree, params: Tree, *, step: int):
+        if weight_decay == 0.0:
+            return updates, state
+        _, leaves, spec = flatten(updates)
+        p_leaves = flatten(params)[1]
+        out = []
+        for u, p in zip(leaves, p_leaves):
+            d = as_delta(u)
+            if d is not None and d.wd != 0.0:  # a second decay: fold the first one in
+                d = Delta(materialize(d, p))
+            out.append(None if d is None else dataclasses.replace(
+                d, wd=weight_decay, wd_numer=1.0, wd_divisor=1.0))
+        return unflatten(spec, out), state
+
+    t = GradientTransformation(lambda params: EmptyState(), update, True)
+    if mask is None:
+        return t
+    from .combine import masked
+    return masked(t, mask)
