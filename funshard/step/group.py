@@ -42,7 +42,7 @@ import enum
 import torch
 
 from .. import comm
-from .lazy import in_place_error, lazy_swap
+from .lazy import LazyParam, in_place_error, lazy_swap
 from .params import ParamGroups
 
 
@@ -316,6 +316,9 @@ class Group:
                     self.unbind(k)
                 except RuntimeError:
                     pass  # the step is over: what it raised about was raised before
+        for k, stand in enumerate(self.stands or ()):
+            if isinstance(stand, LazyParam):  # one that escaped loss_fn: inert from now on
+                stand._run, stand._gi = None, self.params.layouts[self.idx[k]].path
         self.stands = self.lazies = None
         self.fulls = self.bases = self.grads = self.pending = None
         self.shards = []

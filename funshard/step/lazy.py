@@ -37,6 +37,8 @@ in :mod:`funshard.step.group`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -53,10 +55,13 @@ _METADATA = {
 def lazy_swap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Swap two tensor objects' contents (C++ tensor, class, attributes); False (nothing
     changed) when either C++ tensor is held elsewhere."""
-    try:
-        torch._C._swap_tensor_impl(a, b)
-    except RuntimeError:
+    # torch's C++ swap does not check this itself (torch.utils.swap_tensors checks it in
+    # Python): a C++ tensor that something else holds, or an object with weak references,
+    # must not change hands
+    if a._use_count() != 1 or b._use_count() != 1 or weakref.getweakrefcount(a) or \
+            weakref.getweakrefcount(b):
         return False
+    torch._C._swap_tensor_impl(a, b)
     a.__class__, b.__class__ = b.__class__, a.__class__
     a.__dict__, b.__dict__ = b.__dict__, a.__dict__
     return True
@@ -103,6 +108,8 @@ class LazyParam(torch.Tensor):
         )
 
     def __repr__(self):
+        if self._run is None:
+            return f"LazyParam({self._gi!r}, of an ended step)"
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
 
 
@@ -117,6 +124,13 @@ def _first_use(func, args: tuple, kwargs: dict):
     if not lazies:
         return func(*args, **kwargs)
     run = lazies[0]._run
+    if run is None:  # its step has ended (see Group.release); _gi holds its path
+        raise RuntimeError(
+            f"funshard: parameter {lazies[0]._gi!r} of a train_step that has ended was used "
+            f"({getattr(func, '__name__', func)}): a tensor loss_fn received escaped the step. "
+            "Inside the step a parameter exists only while loss_fn runs; outside it, use the "
+            "returned state (fs.unshard(state.params))."
+        )
     if not run.backward and func is not torch.Tensor.detach:
         _refuse_unsupported(run, lazies)
     if func is F.batch_norm:

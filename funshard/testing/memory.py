@@ -79,8 +79,12 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
     with warnings.catch_warnings():  # isinstance() touches deprecated torch attributes
         warnings.simplefilter("ignore")
         objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    from ..step.lazy import LazyParam  # no storage; an op on one would gather
+
     out = {}
     for o in objs:
+        if isinstance(o, LazyParam):
+            continue
         t = o._local_tensor if isinstance(o, DTensor) else o
         if t.device.type != device.type:
             continue

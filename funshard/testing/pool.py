@@ -18,6 +18,7 @@ Inside ``fn``, :func:`mesh` returns a cached mesh: ``mesh(4)`` is 1-D, ``mesh("2
 from __future__ import annotations
 
 import multiprocessing as mp
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -65,6 +66,7 @@ def mesh(spec=None):
 
 
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
+    faulthandler.enable()  # a crashing rank prints where it crashed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
