@@ -12,6 +12,7 @@ from conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "gpt"  # the demo; it imports its siblings by name, as a script
 sys.path.insert(0, str(EXAMPLE))
+import flags  # noqa: E402
 import train as demo  # noqa: E402
 
 
@@ -161,3 +162,19 @@ def test_setup_with_a_wheel_folder_pins_its_cpu_wheel(tmp_path):
     assert f"installing torch 2.13.0+cpu from the local wheel folder {wheels}" in out
     assert f"install --quiet --find-links {wheels} torch==2.13.0+cpu\n" in out
     assert "download.pytorch.org" not in out
+
+
+def test_the_default_out_is_numbered_so_the_readme_command_runs_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    parse = demo.build_parser().parse_args
+    first = parse([])
+    demo.validate(first, world=4)
+    assert first.out == "runs/demo"
+    (tmp_path / "runs" / "demo" / "checkpoints" / "step_000010").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "metrics.jsonl").write_text('{"step": 1}\n')
+    again = parse([])
+    demo.validate(again, world=4)
+    assert again.out == "runs/demo-2"
+    assert flags.default_out(parse(["--force"])) == "runs/demo"  # starts over in it
+    assert flags.default_out(parse(["--resume"])) == "runs/demo"  # the newest used one

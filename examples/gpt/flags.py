@@ -21,6 +21,7 @@ from funshard import checkpoint
 from corpus import load_corpus
 
 POLICIES = ("full", "grad-op", "no-shard")
+DEFAULT_OUT = "runs/demo"
 
 
 class UsageError(Exception):
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=4,
                    help="local processes to start when not under torchrun")
     t.add_argument("--corpus", default=None, help="a UTF-8 text file (default: shipped KJV)")
-    t.add_argument("--out", default="runs/demo", help="output directory")
+    t.add_argument("--out", default=None,
+                   help=f"output directory (default: {DEFAULT_OUT}, or the next free "
+                   f"{DEFAULT_OUT}-N when it holds a run; with --resume, the newest of them)")
     t.add_argument("--ckpt-dir", default=None,
                    help="checkpoint directory (default: OUT/checkpoints)")
     t.add_argument("--ckpt-every", type=int, default=100,
@@ -103,7 +106,10 @@ def parse_mesh(text: str | None, world: int, policy: str) -> tuple[int, int]:
 
 
 def validate(args: argparse.Namespace, world: int) -> None:
-    """Refuse bad flags with a :class:`UsageError` before any process starts."""
+    """Refuse bad flags with a :class:`UsageError` before any process starts (and choose
+    ``--out`` when it was not given)."""
+    if args.out is None:
+        args.out = default_out(args)
     if args.ckpt_every < 0:
         raise UsageError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.max_restarts < 0:
@@ -176,6 +182,29 @@ def previous_run(args: argparse.Namespace) -> list[str]:
     if ckpt.is_dir() and any(ckpt.iterdir()):
         used.append(f"{ckpt}/")
     return used
+
+
+def default_out(args: argparse.Namespace) -> str:
+    """``runs/demo`` when unused, else the next free ``runs/demo-N`` (so the README command
+    runs again as written); with ``--resume``, the newest used one. It is always
+    ``runs/demo`` with ``--force`` or ``--ckpt-dir``, and under torchrun (where every process
+    would choose on its own)."""
+    if args.force or args.ckpt_dir or "RANK" in os.environ:  # --force: start over in it
+        return DEFAULT_OUT
+    names = [DEFAULT_OUT] + [f"{DEFAULT_OUT}-{n}" for n in range(2, 10_000)]
+    used = []
+    for name in names:
+        args.out = name
+        if not previous_run(args):
+            break
+        used.append(name)
+    args.out = None
+    if args.resume:
+        return used[-1] if used else DEFAULT_OUT
+    if used:
+        print(f"{used[-1]} holds an earlier run: this one writes to {name} "
+              "(--resume continues the newest, --force starts over in one)", flush=True)
+    return name
 
 
 def restarted() -> bool:
