@@ -82,11 +82,9 @@ def main(args):
                 fs.checkpoint.prune(ckpts, keep=2)
 
     # 5. Evaluate: a forward without gradients on a held-out batch (the whole batch on every
-    #    rank). EVALUATION: this gathers every parameter at once; a forward-only entry that
-    #    gathers one group at a time (fs.eval_step) is on its way and replaces these lines.
+    #    rank), one group gathered at a time as in training (fs.eval_step runs any function).
     x, y = get_batch(10**6, 0, 1, args.batch)
-    with torch.no_grad():
-        val = loss_fn(fs.unshard(state.params), (x, y)).item()
+    val = fs.eval_step(loss_fn)(state.params, (x, y)).item()
     say(f"validation loss {val:.4f}")
 
     # 6. Export: the trained weights in a plain nn.Module on rank 0 (the meta model's

@@ -15,16 +15,18 @@ from .pytree import params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import Policy, TrainState, TrainStep, train_step
+from .step import EvalStep, Policy, TrainState, TrainStep, eval_step, train_step
 
 __all__ = [
     "__version__",
     "CollectiveTimeout",
+    "EvalStep",
     "Policy",
     "TrainState",
     "TrainStep",
     "checkpoint",
     "comm",
+    "eval_step",
     "layout",
     "load_state_dict",
     "make_mesh",

@@ -55,6 +55,7 @@ class Run(NamedTuple):
     device: torch.device
     model: torch.nn.Module
     step_fn: fs.TrainStep
+    forward: fs.EvalStep  # EVALUATION: (params, idx) -> logits, one group at a time
     lr: Callable[[int], float]
     out: Path
     ckpt_dir: Path
@@ -93,8 +94,10 @@ def setup(args: argparse.Namespace) -> tuple[Run, fs.TrainState, tuple | None]:
     step_fn = fs.train_step(gpt_loss(model), fs.optim.adamw(lr, weight_decay=0.1),
                             policy=policy_of(args))
     state = step_fn.init(fs.shard(fs.params(model), mesh))
-    run = Run(args, world, rank, f"{rep}x{sh}", device, model, step_fn, lr, Path(args.out),
-              ckpt_dir_of(args), restarted())
+    forward = fs.eval_step(lambda p, idx: torch.func.functional_call(model, p, (idx,)),
+                           policy=policy_of(args))
+    run = Run(args, world, rank, f"{rep}x{sh}", device, model, step_fn, forward, lr,
+              Path(args.out), ckpt_dir_of(args), restarted())
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
     resumed_from = None
@@ -178,7 +181,7 @@ def run_steps(run: Run, state: fs.TrainState, data: torch.Tensor,
         dt = time.perf_counter() - t0
         log["losses"].append(m["loss"])
         if args.eval_every and state.step % args.eval_every == 0:
-            m = {**m, "val_loss": evaluate(run, gather(state), val_data)}
+            m = {**m, "val_loss": evaluate(run, state, val_data)}
         if rank == 0:
             _record(run, state.step, m, dt, tokens_per_step, metrics_file, bar)
         if args.ckpt_every and (state.step % args.ckpt_every == 0 or state.step == args.steps):
@@ -214,10 +217,8 @@ def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
     """Validation loss, a text sample, every rank's peak memory; rank 0 writes and prints."""
     args = run.args
     steps_run = state.step - log["first_step"]
-    full = gather(state)  # one gather serves evaluation and sampling
-    val = evaluate(run, full, val_data)
-    sample = _sample(run.model, full, args, run.device)
-    del full
+    val = evaluate(run, state, val_data)
+    sample = _sample(run, state)
     peaks = [None] * run.world
     dist.all_gather_object(peaks, peak_rss_mb())
     losses = log["losses"]
@@ -246,26 +247,16 @@ def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
 VAL_SEQS = 32  # validation sequences, the same set on every world size
 
 
-@torch.no_grad()
-def gather(state: fs.TrainState) -> dict:
-    """Every parameter, full, on every rank (one all-gather per group; no gradients).
-
-    EVALUATION: this holds the whole model at once; the forward-only entry that gathers one
-    group at a time (``fs.eval_step``) is on its way and replaces it here and in sampling.
-    """
-    return fs.unshard(state.params)
-
-
-@torch.no_grad()
-def evaluate(run: Run, full: dict, data: torch.Tensor) -> float:
-    """Mean next-byte loss over ``VAL_SEQS`` fixed sequences of the held-out text; each rank
-    computes its share and one all-reduce sums them (the same number on every world size)."""
+def evaluate(run: Run, state: fs.TrainState, data: torch.Tensor) -> float:
+    """EVALUATION: mean next-byte loss over ``VAL_SEQS`` fixed sequences of the held-out text,
+    through ``fs.eval_step`` (one group gathered at a time, no gradients); each rank computes
+    its share and one all-reduce sums them (the same number on every world size)."""
     args = run.args
     x, y = get_batch(data, 0, 0, VAL_SEQS, args.seq, args.seed + 1)  # (VAL_SEQS, seq) each
     x, y = x.tensor_split(run.world)[run.rank], y.tensor_split(run.world)[run.rank]
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    logits = run.forward(state.params, x.to(run.device))  # every rank gathers, even with no rows
     if len(x):
-        logits = torch.func.functional_call(run.model, full, (x.to(run.device),))  # (b, T, V)
         total[0] = F.cross_entropy(logits.flatten(0, 1).float(), y.to(run.device).flatten(),
                                    reduction="sum")
         total[1] = y.numel()
@@ -273,16 +264,23 @@ def evaluate(run: Run, full: dict, data: torch.Tensor) -> float:
     return (total[0] / total[1]).item()
 
 
-@torch.no_grad()
-def _sample(model, full, args, device) -> str:
-    """Greedy-ish sampling (temperature 0.8) from the trained model, same on every rank."""
-    g = torch.Generator().manual_seed(args.seed)
-    idx = torch.tensor([list(b"And ")], device=device)
-    for _ in range(args.sample):
-        logits = torch.func.functional_call(model, full, (idx[:, -args.seq:],))[0, -1].float()
-        probs = torch.softmax(logits.cpu() / 0.8, dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=g).to(device)
-        idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+def _sample(run: Run, state: fs.TrainState) -> str:
+    """EVALUATION: sampling (temperature 0.8) from the trained model, the same on every rank:
+    one ``fs.eval_step`` call runs the whole loop, each forward gathering one group at a
+    time."""
+    args, model, device = run.args, run.model, run.device
+
+    def generate(params, idx):
+        g = torch.Generator().manual_seed(args.seed)
+        for _ in range(args.sample):
+            logits = torch.func.functional_call(model, params, (idx[:, -args.seq:],))
+            probs = torch.softmax(logits[0, -1].float().cpu() / 0.8, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=g).to(device)
+            idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+        return idx
+
+    start = torch.tensor([list(b"And ")], device=device)
+    idx = fs.eval_step(generate, policy=policy_of(args))(state.params, start)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 

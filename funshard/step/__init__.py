@@ -1,6 +1,7 @@
 """The sharded training step: ``train_step(loss_fn, optimizer, policy=Policy())``.
 
-- :mod:`.api`: Policy, TrainState, TrainStep, train_step;
+- :mod:`.api`: Policy, TrainState, TrainStep, train_step; :mod:`.evaluate`: eval_step (forward
+  only, the same gather schedule);
 - :mod:`.schedule`: the order groups are gathered, freed and reduced (pure data, shared
   with ``fs.plan``); :mod:`.params`: a tree's leaves in communication groups;
 - :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
@@ -9,6 +10,7 @@
 """
 
 from .api import Policy, TrainState, TrainStep, train_step
+from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
 from .params import ParamGroups
 from .run import Run
@@ -17,6 +19,7 @@ from .schedule import (Schedule, default_group, group_names, kept_into_backward,
 
 __all__ = [
     "ALLOWED",
+    "EvalStep",
     "Group",
     "GroupState",
     "IllegalTransition",
@@ -27,6 +30,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "default_group",
+    "eval_step",
     "group_names",
     "kept_into_backward",
     "make_schedule",

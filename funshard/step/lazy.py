@@ -251,10 +251,12 @@ def _refuse_running_stats(args: tuple, kwargs: dict) -> None:
         )
 
 
-def stand_ins(run, params, shards: list[torch.Tensor]) -> list[LazyParam]:
-    """One stand-in per leaf of ``params`` (a :class:`ParamGroups`), known to its group."""
+def stand_ins(run, params, shards: list[torch.Tensor], *,
+              requires_grad: bool = True) -> list[LazyParam]:
+    """One stand-in per leaf of ``params`` (a :class:`ParamGroups`), known to its group;
+    trainable leaves' require grad unless ``requires_grad`` is False (evaluation)."""
     out = [LazyParam(run, params.group_of[i], params.pos[i], lay.shape, params.dtypes[i],
-                     shards[i].device, params.trainable[i])
+                     shards[i].device, requires_grad and params.trainable[i])
            for i, lay in enumerate(params.layouts)]
     run.stand_group = {id(x): params.group_of[i] for i, x in enumerate(out)}
     for g in run.groups:

@@ -1,0 +1,84 @@
+"""Forward without training: ``eval_step(fn, policy=Policy())``.
+
+``fn(params, *args)`` runs on a sharded tree under the training step's gather schedule: each
+group is gathered when ``fn`` first touches it and freed once ``fn`` moves to the next
+(``reshard_after_forward=True``, the default: the FULL_SHARD forward peak, one group and the
+next one's prefetch), with no gradient state: no autograd graph, no reduce buckets, no
+optimizer. Validation, generation or any metric of the parameters goes through it.
+
+    >>> evaluate = fs.eval_step(lambda p, x: torch.func.functional_call(model, p, (x,)))
+    >>> logits = evaluate(state.params, tokens)          # every rank calls it
+
+Every rank must call it with the same groups in the same order (as the training step). A
+function that touches a group again later (a generation loop calling the model once per
+token) gathers it again each time; ``Policy(reshard_after_forward=False)`` keeps each group
+gathered from its first use to the end of the call instead (faster, the unsharded peak).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import pytree
+from . import lazy
+from .api import Policy, TrainState
+from .params import ParamGroups
+from .run import Run
+
+Tree = Any
+
+
+class EvalStep(NamedTuple):
+    """``evaluate(params, *args, **kwargs) -> fn(full-shape params, *args, **kwargs)``."""
+
+    apply: Callable[..., Any]
+
+    def __call__(self, params: Tree, *args: Any, **kwargs: Any) -> Any:
+        return self.apply(params, *args, **kwargs)
+
+
+def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
+    """Run ``fn(params, *args)`` on sharded ``params`` one group at a time, without gradients.
+
+    Args:
+        fn: ``(params, *args, **kwargs) -> anything``; ``params`` has full shapes and the
+            policy's compute dtype. What it returns must not be a parameter itself (a
+            parameter exists only while ``fn`` runs); tensors computed from them are plain.
+        policy: :class:`Policy`: ``groups``, ``param_dtype``, ``reshard_after_forward``,
+            ``prefetch`` and ``transport`` apply; the gradient options are ignored.
+    Returns:
+        :class:`EvalStep`; ``out = evaluate(state.params, batch)`` (a :class:`TrainState` is
+        accepted for ``params`` too). Results are computed under ``torch.no_grad()``.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"eval_step: policy must be an fs.Policy, got {type(policy).__name__}")
+    cache: dict[Any, ParamGroups] = {}
+
+    def groups_for(params: Tree) -> ParamGroups:
+        leaves, spec = pytree.flatten(params)
+        key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
+        if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
+            cache[key] = ParamGroups(params, policy)
+        return cache[key]
+
+    def apply(params: Tree, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(params, TrainState):
+            params = params.params
+        groups = groups_for(params)
+        shards = [d._local_tensor.detach() for d in pytree.flatten(params)[0]]
+        run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
+                  record=groups.schedule is None)  # the first call learns the order
+        run.tapped = False  # no gradients: nothing is streamed to a bucket
+        stands = lazy.stand_ins(run, groups, shards, requires_grad=False)
+        tree = pytree.unflatten(groups.spec, stands)
+        try:
+            with torch.no_grad():
+                return fn(tree, *args, **kwargs)
+        finally:
+            run.finish()
+            run.release()
+
+    return EvalStep(apply)
