@@ -11,7 +11,7 @@ __version__ = "0.2.0"
 from . import checkpoint, comm, layout, mesh, optim, plan, pytree, step, testing
 from .comm import CollectiveTimeout
 from .mesh import make_mesh
-from .pytree import params
+from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
@@ -24,6 +24,7 @@ __all__ = [
     "Policy",
     "TrainState",
     "TrainStep",
+    "buffers",
     "checkpoint",
     "comm",
     "eval_step",

@@ -104,6 +104,20 @@ def params(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.named_parameters())
 
 
+def buffers(module: nn.Module, *, persistent: bool = True) -> dict[str, torch.Tensor]:
+    """The flat FQN dict of ``module``'s buffers that its ``state_dict`` holds (BatchNorm's
+    running statistics; ``persistent=False`` adds the non-persistent ones); a shared buffer
+    appears once. Give them to ``step.init(params, buffers)``, not to ``fs.shard``.
+
+    Example: ``fs.buffers(nn.BatchNorm1d(3))`` -> ``{'running_mean': (3,), 'running_var':
+    (3,), 'num_batches_tracked': ()}``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"buffers() takes an nn.Module, got {type(module).__name__}")
+    keep = set(module.state_dict(keep_vars=True))
+    return {name: b for name, b in module.named_buffers() if persistent is False or name in keep}
+
+
 def _node(tree: Tree):
     """(kind, entries, children) of one level, or None for a leaf."""
     with _ordered():

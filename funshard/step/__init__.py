@@ -6,6 +6,7 @@
   with ``fs.plan``); :mod:`.params`: a tree's leaves in communication groups;
 - :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
 - :mod:`.lazy`: the parameter stand-in; :mod:`.saved`: autograd's saved parameters;
+- :mod:`.buffers`: buffers in the state and their cross-rank rules;
 - :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver.
 """
 

@@ -43,17 +43,34 @@ def checksums(shards: list[torch.Tensor]) -> list[str]:
     return [f"{a!r}/{b!r}" for a, b in sums.tolist()]
 
 
-def check(params, policy, shards: list[torch.Tensor], *, where: str) -> None:
+def check(params, policy, shards: list[torch.Tensor], *, where: str,
+          buffers: list[tuple[str, torch.Tensor]] = ()) -> None:
     """Raise the same ValueError on every rank unless all ranks were given the same tree,
-    Policy and mesh, and ranks that hold the same values do."""
+    Policy, mesh and buffers (``(path, local tensor)``, replicated), and ranks that hold the
+    same values do."""
     if params.world == 1:
         return
-    mine = (fingerprint(params, policy), checksums(shards),
+    desc = fingerprint(params, policy) + [("the number of buffers", str(len(buffers)))] + [
+        (f"buffer {path!r}", f"shape {tuple(b.shape)}, {b.dtype}") for path, b in buffers]
+    mine = (desc, checksums(shards) + checksums([b for _, b in buffers]),
             params.mesh.get_local_rank(SHARD))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     _compare_descriptions(every, where)
     _compare_values(every, params, where)
+    _compare_buffers(every, [path for path, _ in buffers], len(params.layouts), params, where)
+
+
+def _compare_buffers(every: list, paths: list[str], first: int, params, where: str) -> None:
+    for j, path in enumerate(paths):
+        for rank, (_, sums, _) in enumerate(every):
+            if sums[first + j] != every[0][1][first + j]:
+                raise ValueError(
+                    f"{where}: buffer {path!r} differs between rank 0 and rank {rank} (buffers "
+                    f"are replicated on {mesh_str(params.mesh)}): the ranks start from "
+                    "different values. Build the model alike on every rank (seeded) or load "
+                    "the same state."
+                )
 
 
 def _compare_descriptions(every: list, where: str) -> None:

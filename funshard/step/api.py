@@ -37,6 +37,7 @@ from ..layout import check_float_dtype
 from ..mesh import mesh_str
 from ..reduce import first_nonfinite, local_sq_norm
 from . import agree, lazy
+from . import buffers as buffers_
 from .params import ParamGroups
 from .run import Run
 
@@ -70,6 +71,9 @@ class Policy:
         transport: how buckets move: ``"auto"`` (a direct point-to-point exchange on gloo
             CPU groups, the backend's collectives elsewhere), ``"c10d"`` or ``"p2p"`` (see
             :mod:`funshard.comm`).
+        buffers: how the ranks' buffers (``TrainState.buffers``) agree after each step:
+            ``"mean"`` over ranks (others: rank 0's), ``"broadcast"`` rank 0's, or ``"own"``
+            (each rank its own); see :mod:`funshard.step.buffers`.
     """
 
     reshard_after_forward: bool = True
@@ -81,6 +85,7 @@ class Policy:
     prefetch: bool = True
     skip_nonfinite: bool = False
     transport: str = "auto"
+    buffers: str = "mean"
 
     def __post_init__(self):
         for name in ("reshard_after_forward", "prefetch", "skip_nonfinite"):
@@ -102,14 +107,19 @@ class Policy:
                 f"Policy: groups={self.groups!r:.60} must be None, a callable fqn -> group "
                 "name, or a prefix tree (dict / list / tuple) of group names")
         comm.check_transport(self.transport, where="Policy")
+        if self.buffers not in buffers_.RULES:
+            raise ValueError(f"Policy: buffers={self.buffers!r} must be one of "
+                             f"{', '.join(map(repr, buffers_.RULES))}")
 
 
 class TrainState(NamedTuple):
-    """Sharded parameters, optimizer state and the number of steps taken."""
+    """Sharded parameters, optimizer state, the number of steps taken, and the buffers
+    (replicated; None when the model has none given)."""
 
     params: Tree
     opt_state: Tree
     step: int
+    buffers: Tree = None
 
 
 class TrainStep(NamedTuple):
@@ -165,7 +175,7 @@ class _Grads(NamedTuple):
 
 
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
-                   batch: Any) -> _Grads:
+                   batch: Any, bufs: Any = None) -> _Grads:
     """Forward and backward of every micro-batch; the reduced gradients of the last."""
     micro = _split_batch(batch, policy.accumulate)
     k = len(micro)
@@ -177,6 +187,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
                   record=record and j == 0)
         tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
+        if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
+            tree = (tree, bufs)
         try:
             # a training step computes gradients, under torch.no_grad() too
             with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack):
@@ -306,11 +318,15 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
             cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
         return cache[key]
 
-    def init(params: Tree) -> TrainState:
+    def init(params: Tree, buffers: Tree = None) -> TrainState:
         groups = groups_for(params)
+        if buffers is not None:
+            buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
+        bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
         agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
-                    where="train_step.init")
-        return donations.remember(TrainState(params, optimizer.init(params), 0))
+                    where="train_step.init",
+                    buffers=[(pytree.fqn(p), b._local_tensor) for p, b in zip(bpaths, bleaves)])
+        return donations.remember(TrainState(params, optimizer.init(params), 0, buffers))
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if torch.is_inference_mode_enabled():
@@ -321,8 +337,15 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         donations.check(state, leaves)
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
-        out = _micro_batches(loss_fn, params, shards, policy, batch)
+        bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
+                               else ([], [], None))
+        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs)
         new_state, metrics = _update(optimizer, policy, params, state, out, batch)
+        if bufs is not None:
+            if not metrics["skipped"]:  # a skipped step keeps the buffers too
+                buffers_.sync(policy.buffers, work, params.mesh)
+                buffers_.write_back(bleaves, work)
+            new_state = new_state._replace(buffers=state.buffers)
         return donations.remember(new_state), metrics
 
     return TrainStep(init, apply)

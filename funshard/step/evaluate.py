@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import pytree
+from . import buffers as buffers_
 from . import lazy
 from .api import Policy, TrainState
 from .params import ParamGroups
@@ -50,8 +51,10 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         policy: :class:`Policy`: ``groups``, ``param_dtype``, ``reshard_after_forward``,
             ``prefetch`` and ``transport`` apply; the gradient options are ignored.
     Returns:
-        :class:`EvalStep`; ``out = evaluate(state.params, batch)`` (a :class:`TrainState` is
-        accepted for ``params`` too). Results are computed under ``torch.no_grad()``.
+        :class:`EvalStep`; ``out = evaluate(state.params, batch)``, or ``evaluate(state,
+        batch)``: then a state with buffers gives ``fn`` ``(params, buffers)`` as the
+        training step gives ``loss_fn`` (copies: what ``fn`` writes into them is not kept).
+        Results are computed under ``torch.no_grad()``.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"eval_step: policy must be an fs.Policy, got {type(policy).__name__}")
@@ -65,7 +68,10 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         return cache[key]
 
     def apply(params: Tree, *args: Any, **kwargs: Any) -> Any:
+        bufs = None
         if isinstance(params, TrainState):
+            if params.buffers is not None:  # fn((params, buffers), ...), as loss_fn
+                bufs = buffers_.locals_of(params.buffers)[2]  # copies: nothing is kept
             params = params.params
         groups = groups_for(params)
         shards = [d._local_tensor.detach() for d in pytree.flatten(params)[0]]
@@ -74,6 +80,8 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         run.tapped = False  # no gradients: nothing is streamed to a bucket
         stands = lazy.stand_ins(run, groups, shards, requires_grad=False)
         tree = pytree.unflatten(groups.spec, stands)
+        if bufs is not None:
+            tree = (tree, bufs)
         try:
             with torch.no_grad():
                 return fn(tree, *args, **kwargs)

@@ -245,9 +245,9 @@ def _refuse_running_stats(args: tuple, kwargs: dict) -> None:
         raise NotImplementedError(
             f"train_step: {_path(stats[0])!r} is a BatchNorm running statistic in the tree "
             "given to fs.shard; batch_norm updates it in place in training, and inside the "
-            "step it is a gathered copy, so the update would be lost. Keep buffers out of the "
-            "sharded tree (fs.params(model) has parameters only); funshard does not carry "
-            "buffers yet."
+            "step it is a gathered copy, so the update would be lost. Give buffers to "
+            "step.init(fs.shard(fs.params(model), mesh), fs.buffers(model)): loss_fn then "
+            "receives (params, buffers) and their updates are kept."
         )
 
 

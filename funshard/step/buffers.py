@@ -1,0 +1,92 @@
+"""Buffers in the step: BatchNorm's running statistics and their like.
+
+A module's persistent buffers (``fs.buffers(module)``) travel in ``TrainState.buffers``,
+replicated on the params' mesh (not sharded, not differentiated). ``loss_fn`` receives
+``(params, buffers)`` as its first argument (a pair ``torch.func.functional_call`` takes as
+it is) with the buffers as plain tensors: copies, so a step that raises leaves the state's
+buffers as they were. What ``loss_fn`` writes into them in place (BatchNorm in training
+mode) is kept: after the update, the policy's rule makes the ranks agree, and the state's
+buffers take the result.
+
+Rules (``Policy(buffers=...)``), over all ranks of the mesh (every rank is data-parallel):
+
+- ``"mean"`` (default): floating buffers become their mean over ranks; others (BatchNorm's
+  ``num_batches_tracked``) take rank 0's value. A running mean then equals the one a single
+  process would keep on the whole batch (the running average is linear in the batch mean;
+  with equal local batch sizes). A running *variance* is the mean of the ranks' variances,
+  which lacks the spread between ranks' means: exact parity needs SyncBatchNorm.
+- ``"broadcast"``: every rank takes rank 0's buffers (DDP's ``broadcast_buffers``).
+- ``"own"``: each rank keeps its own (FSDP's behaviour); no collective; replicas drift apart
+  and a checkpoint keeps rank 0's.
+
+Cost: one collective per step and dtype of buffers ("mean": an all-reduce of the floating
+buffers in float64 and a broadcast of the rest; "broadcast": broadcasts), none for "own".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .. import comm, pytree
+from ..shard import shard
+
+RULES = ("mean", "broadcast", "own")
+
+
+def prepare(buffers: Any, mesh: DeviceMesh, *, where: str) -> Any:
+    """A tree of tensors -> the same tree replicated on ``mesh`` (copies, no grad)."""
+    paths, leaves, spec = pytree.flatten_with_path(buffers)
+    for p, x in zip(paths, leaves):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where}: buffer {pytree.fqn(p)!r} is a {type(x).__name__}, not a "
+                            "tensor; pass fs.buffers(model).")
+        if isinstance(x, DTensor) and x.device_mesh != mesh:
+            raise ValueError(f"{where}: buffer {pytree.fqn(p)!r} lives on another mesh than the "
+                             "parameters.")
+    if all(isinstance(x, DTensor) for x in leaves):
+        return buffers
+    plain = pytree.unflatten(spec, [x.full_tensor() if isinstance(x, DTensor) else x.detach()
+                                    for x in leaves])
+    return shard(plain, mesh, spec="replicate")
+
+
+def locals_of(buffers: Any) -> tuple[list[DTensor], list[torch.Tensor], Any]:
+    """The state's buffer DTensors, working copies of their local tensors, and the tree of
+    those copies that ``loss_fn`` receives."""
+    leaves, spec = pytree.flatten(buffers)
+    work = [d._local_tensor.clone() for d in leaves]
+    return leaves, work, pytree.unflatten(spec, work)
+
+
+def sync(rule: str, work: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Make the ranks' working copies agree, in place, by ``rule``."""
+    if rule == "own" or mesh.size() == 1 or not work:
+        return
+    floats = [t for t in work if t.is_floating_point()] if rule == "mean" else []
+    rest = [t for t in work if not (rule == "mean" and t.is_floating_point())]
+    with comm.watch(f"the buffers' {rule}", mesh):
+        if floats:
+            flat = torch.cat([t.reshape(-1).double() for t in floats])
+            dist.all_reduce(flat)
+            flat /= mesh.size()
+            for t, c in zip(floats, flat.split([t.numel() for t in floats])):
+                t.copy_(c.view(t.shape))  # rounded once to the buffer's dtype
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in rest:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            dist.broadcast(flat, src=0)
+            for t, c in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(c.view(t.shape))
+
+
+def write_back(leaves: list[DTensor], work: list[torch.Tensor]) -> None:
+    """The step succeeded: the state's buffers take the working copies (in place: donated)."""
+    if leaves:
+        torch._foreach_copy_([d._local_tensor for d in leaves], work)
