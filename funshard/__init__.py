@@ -15,7 +15,7 @@ from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import EvalStep, Policy, TrainState, TrainStep, eval_step, train_step
+from .step import EvalStep, Policy, TrainState, TrainStep, eval_step, list_groups, train_step
 
 __all__ = [
     "__version__",
@@ -29,6 +29,7 @@ __all__ = [
     "comm",
     "eval_step",
     "layout",
+    "list_groups",
     "load_state_dict",
     "make_mesh",
     "mesh",

@@ -181,7 +181,8 @@ def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
     names = [n for n, *_ in leaves]
     lays = [Layout(n, s, dt, len(s) > 0, shard, 0) for n, s, dt, _ in leaves]
     dtypes = [compute_dtype(dt, policy.param_dtype) for _, _, dt, _ in leaves]
-    groups, members = partition(group_names(names, policy.groups, dict.fromkeys(names, 0)))
+    groups, members = partition(group_names(names, policy.groups, dict.fromkeys(names, 0),
+                                            [s for _, s, *_ in leaves]))
     group_bytes = [sum(lays[i].full_bytes(dtypes[i]) for i in idx if lays[i].sharded)
                    for idx in members]
     pbytes = sum(math.prod(lay.shape) * dt.itemsize for lay, dt in zip(lays, dtypes))

@@ -95,8 +95,10 @@ def test_plan_errors():
         plan({"w": "x"}, shard=2)
     with pytest.raises(ValueError, match=r"forward names groups \['nope'\]"):
         plan({"w": (4, 4)}, shard=2, forward=["nope"])
-    p = plan({"0.w": (7, 3), "1.w": (5,), "s": ()}, shard=3, policy=fs.Policy(groups=None))
-    assert p.groups == ("0", "1", "") and p.memory["params"] == (3 * 3 + 2 + 1) * 4
+    p = plan({"0.w": (7, 3), "1.w": (7, 3), "s": ()}, shard=3, policy=fs.Policy(groups=None))
+    assert p.groups == ("0", "1", "") and p.memory["params"] == (3 * 3 + 3 * 3 + 1) * 4
+    p = plan({"0.w": (7, 3), "1.w": (5,), "s": ()}, shard=3)  # not repeated blocks: one group
+    assert p.groups == ("",) and p.memory["params"] == (3 * 3 + 2 + 1) * 4
 
 
 TINY = dict(world=2, blocks=2, dim=32, seq=16, batch=2, rounds=2, warmup=2)

@@ -51,8 +51,9 @@ def kinds(spec, raf):
         seen.append(("after 2", type(p["0.weight"]), type(p["2.weight"])))
         return F.mse_loss(y, b[1])
 
-    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),
-                         policy=fs.Policy(reshard_after_forward=raf))
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),  # two groups: "0" and "2"
+                         policy=fs.Policy(reshard_after_forward=raf,
+                                          groups=lambda fqn: fqn.split(".")[0]))
     state = step.init(fs.shard(fs.params(model), m))
     for _ in range(2):
         state, _ = step(state, (torch.randn(2, 4), torch.randn(2, 3)))

@@ -14,12 +14,13 @@ from funshard.testing import mesh
 
 
 def test_default_group_and_partition():
-    names = ["emb.w", "layers.0.a", "layers.0.b", "layers.1.a", "head.w"]
-    gnames = group_names(names, None, dict.fromkeys(names))
-    assert gnames == ["", "layers.0", "layers.0", "layers.1", ""]
+    names = ["emb.w", "layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b", "head.w"]
+    gnames = group_names(names, None, dict.fromkeys(names), [(2,)] * 6)
+    assert gnames == ["", "layers.0", "layers.0", "layers.1", "layers.1", ""]
     groups, members = partition(gnames)
     assert groups == ["", "layers.0", "layers.1"]
-    assert members == [[0, 4], [1, 2], [3]]
+    assert members == [[0, 5], [1, 2], [3, 4]]
+    names = ["emb.w", "layers.0.a", "layers.0.b", "layers.1.a", "head.w"]
     assert group_names(names, lambda n: n[0], None) == ["e", "l", "l", "l", "h"]
     tree = {"emb": {"w": 0}, "layers": {"0": {"a": 0, "b": 0}, "1": {"a": 0}}, "head": {"w": 0}}
     names = ["emb.w", "layers.0.a", "layers.0.b", "layers.1.a", "head.w"]
@@ -102,7 +103,9 @@ def param_groups_of(spec):
             "head": torch.randn(5, 2, requires_grad=True)}
     tree["layers"]["0"]["w"].requires_grad_(True)
     sp = fs.shard(tree, m)
-    pg = fs.step.ParamGroups(sp, fs.Policy(param_dtype=torch.bfloat16))
+    blocks = fs.Policy(param_dtype=torch.bfloat16,  # the two layers differ: named by hand
+                       groups=lambda fqn: fqn.rsplit(".", 1)[0] if "." in fqn else "")
+    pg = fs.step.ParamGroups(sp, blocks)
     return (pg.names, pg.members, pg.grad_pos, pg.slot, pg.group_bytes,
             [str(d) for d in pg.dtypes], dist.get_world_size())
 
@@ -117,3 +120,40 @@ def test_param_groups_frozen(pools):
         # padded bf16 bytes: (4, 3) -> 2 rows per rank; (3,) -> 2 rows per rank
         assert group_bytes == [2 * 2 * 3 * 2 + 2 * 2 * 2, 2 * 2 * 3 * 2, 2 * 3 * 2 * 2]
         assert set(dtypes) == {"torch.bfloat16"} and world == 2
+
+
+def test_default_groups_are_the_repeated_blocks():
+    from funshard.step import block_groups
+    # a Sequential inside a block stays in it; one beside the blocks goes to the rest
+    names = ["wte.w", "layers.0.ln.w", "layers.0.mlp.0.w", "layers.0.mlp.2.w",
+             "layers.1.ln.w", "layers.1.mlp.0.w", "layers.1.mlp.2.w", "head.0.w", "head.2.w"]
+    shapes = [(9, 4), (4,), (16, 4), (4, 16), (4,), (16, 4), (4, 16), (4, 4), (4, 4)]
+    assert block_groups(names, shapes) == ["", "layers.0", "layers.0", "layers.0", "layers.1",
+                                           "layers.1", "layers.1", "", ""]
+    # experts inside a layer stay in the layer; an encoder and a decoder stack both count
+    moe = [f"layers.{i}.experts.{e}.w" for i in range(2) for e in range(8)]
+    assert block_groups(moe, [(4, 4)] * 16) == ["layers.0"] * 8 + ["layers.1"] * 8
+    t5 = [f"enc.layer.{i}.w" for i in range(3)] + [f"dec.layer.{i}.w" for i in range(3)]
+    assert block_groups(t5, [(4, 4)] * 6) == [n.rsplit(".", 1)[0] for n in t5]
+    # a plain Sequential of different layers is one group; a block unlike the others is rest
+    assert block_groups(["0.w", "0.b", "2.w", "2.b"], [(3, 5), (3,), (2, 3), (2,)]) == [""] * 4
+    odd = ["h.0.w", "h.1.w", "h.2.w"]
+    assert block_groups(odd, [(4, 4), (4, 4), (8, 4)]) == ["h.0", "h.1", ""]
+
+
+def test_list_groups_of_real_models():
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=50,
+                                      n_positions=16))
+    groups = fs.list_groups(fs.params(gpt2))
+    assert [g.name for g in groups] == ["", "transformer.h.0", "transformer.h.1",
+                                        "transformer.h.2"]
+    assert sum(g.nbytes for g in groups) == sum(p.numel() * 4 for p in gpt2.parameters())
+    bert = BertModel(BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                                intermediate_size=32, vocab_size=50))
+    names = [g.name for g in fs.list_groups(fs.params(bert))]
+    assert names == ["", "encoder.layer.0", "encoder.layer.1"], names
+    half = fs.list_groups(fs.params(gpt2), fs.Policy(param_dtype=torch.bfloat16))
+    assert [g.nbytes * 2 for g in half] == [g.nbytes for g in groups]
+    assert fs.list_groups(fs.params(gpt2), fs.Policy(groups="all"))[0].name == "all"

@@ -15,13 +15,14 @@ from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
 from .params import ParamGroups
 from .run import Run
-from .schedule import (Schedule, default_group, group_names, kept_into_backward,
-                       make_schedule, partition, split_kept)
+from .schedule import (GroupInfo, Schedule, block_groups, default_group, group_names,
+                       kept_into_backward, list_groups, make_schedule, partition, split_kept)
 
 __all__ = [
     "ALLOWED",
     "EvalStep",
     "Group",
+    "GroupInfo",
     "GroupState",
     "IllegalTransition",
     "ParamGroups",
@@ -30,10 +31,12 @@ __all__ = [
     "Schedule",
     "TrainState",
     "TrainStep",
+    "block_groups",
     "default_group",
     "eval_step",
     "group_names",
     "kept_into_backward",
+    "list_groups",
     "make_schedule",
     "partition",
     "split_kept",

@@ -60,9 +60,10 @@ class Policy:
         accumulate: micro-batches per step; the batch's dim 0 is split in this many parts and
             gradients are reduced once per step.
         clip_norm: clip the global gradient norm (over all shards, each element once).
-        groups: communication groups. None: one per element of a numbered container
-            (``layers.0``, ``layers.1``, ...) and one for the rest. Or a callable
-            ``fqn -> group name``, or a prefix tree of group names.
+        groups: communication groups. None: one per repeated block (``layers.0``,
+            ``transformer.h.1``, ...: :func:`funshard.step.block_groups`) and one for the
+            rest. Or a callable ``fqn -> group name``, or a prefix tree of group names.
+            ``fs.list_groups(tree, policy)`` lists what a policy chooses.
         prefetch: gather the next group asynchronously while the current one computes.
         skip_nonfinite: when the global gradient norm is NaN or inf, skip the update on every
             rank (they agree: the norm is all-reduced) and report ``metrics["skipped"] = 1``;

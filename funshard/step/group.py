@@ -287,6 +287,8 @@ class Group:
         if self.stands is None:
             return
         for k, full in enumerate(self.fulls):
+            if k in self.params.unbindable[self.gi]:
+                continue
             if self.lazies[k] is None and full is not None and lazy_swap(self.stands[k], full):
                 self.lazies[k], self.fulls[k] = full, self.stands[k]
                 self.bound_version[k] = self.stands[k]._version

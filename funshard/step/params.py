@@ -29,7 +29,8 @@ class ParamGroups:
         mesh, paths, leaves, layouts, spec = describe(params, what="train_step")
         self.mesh, self.spec, self.layouts = mesh, spec, layouts
         names = [pytree.fqn(p) for p in paths]
-        self.names, self.members = partition(group_names(names, policy.groups, params))
+        self.names, self.members = partition(
+            group_names(names, policy.groups, params, [lay.shape for lay in layouts]))
         self.group_of = [0] * len(leaves)
         self.pos = [0] * len(leaves)  # index within its group
         for gi, idx in enumerate(self.members):
@@ -39,6 +40,11 @@ class ParamGroups:
         self.grad_pos = [[k for k, i in enumerate(idx) if self.trainable[i]]
                          for idx in self.members]
         self.slot = [{k: j for j, k in enumerate(pos)} for pos in self.grad_pos]
+        # running statistics put into the sharded tree are never bound: batch_norm writes
+        # them in place without a version bump, so only the stand-in can see (and refuse) it
+        self.unbindable = [{k for k, i in enumerate(idx)
+                            if names[i].rsplit(".", 1)[-1] in ("running_mean", "running_var")}
+                           for idx in self.members]
         self.dtypes = [compute_dtype(leaf.dtype, policy.param_dtype) for leaf in leaves]
         self.world = mesh.size()
         # where this rank's shards live: everything the step makes goes there

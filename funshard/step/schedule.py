@@ -13,13 +13,15 @@ keeps one group gathered from forward into backward. ``fs.plan`` builds the same
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 from .. import pytree
 
 
 def default_group(fqn: str) -> str:
-    """``'layers.3.attn.wq'`` -> ``'layers.3'``; ``'0.w'`` -> ``'0'``; no number -> ``''``."""
+    """A name-only grouping (state dicts gather by it): ``'layers.3.attn.wq'`` ->
+    ``'layers.3'``; ``'0.w'`` -> ``'0'``; no number -> ``''``."""
     parts = fqn.split(".")
     for j, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -27,14 +29,103 @@ def default_group(fqn: str) -> str:
     return ""
 
 
-def group_names(names: Sequence[str], groups: Any, tree: Any) -> list[str]:
+def block_groups(names: Sequence[str], shapes: Sequence[tuple]) -> list[str]:
+    """The step's default groups: one per repeated block, one (``''``) for the rest.
+
+    A container's children are its numbered FQN components (``layers.3``, ``h.11``,
+    ``encoder.layer.0``); two are identical when their leaves have the same relative names
+    and shapes. Containers with at least two identical children, not inside another such
+    container's child, are candidates; the blocks are the candidates' largest classes of
+    identical children with the longest run (ties: those holding at least half the
+    largest's elements, so an encoder and a decoder stack both count, a two-layer head
+    beside two blocks does not). A ``Sequential`` inside a block stays in its block; one
+    that is not a repeated block (``head.0``, ``head.2``) goes to the rest.
+
+        >>> block_groups(["wte.w", "layers.0.w", "layers.1.w", "mlp.0.w", "mlp.2.w"],
+        ...              [(9, 4), (4, 4), (4, 4), (8, 4), (4, 8)])
+        ['', 'layers.0', 'layers.1', '', '']
+    """
+    sig: dict[str, dict[str, list]] = {}  # container -> child -> [(suffix, shape)]
+    for n, shape in zip(names, shapes):
+        parts = n.split(".")
+        for j, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                sig.setdefault(".".join(parts[:j]), {}).setdefault(part, []).append(
+                    (".".join(parts[j + 1:]), tuple(shape)))
+    found: dict[str, tuple[set, int]] = {}  # container -> (its block children, elements)
+    for prefix, children in sig.items():
+        classes: dict[tuple, list[str]] = {}
+        for child, items in children.items():
+            classes.setdefault(tuple(sorted(items)), []).append(child)
+        key, best = max(classes.items(), key=lambda kv: len(kv[1]))
+        if len(best) >= 2:
+            found[prefix] = (set(best), len(best) * sum(math.prod(s) for _, s in key))
+
+    def inside_block(prefix: str) -> bool:
+        parts = prefix.split(".")
+        return any(parts[j] in found.get(".".join(parts[:j]), ((), 0))[0]
+                   for j in range(len(parts)))
+
+    outer = {p: v for p, v in found.items() if not inside_block(p)}
+    if not outer:
+        return [""] * len(names)
+    run = max(len(c) for c, _ in outer.values())
+    big = max(e for c, e in outer.values() if len(c) == run)
+    blocks = {p: c for p, (c, e) in outer.items() if len(c) == run and 2 * e >= big}
+    out = []
+    for n in names:
+        parts, g = n.split("."), ""
+        for j, part in enumerate(parts[:-1]):
+            if part in blocks.get(".".join(parts[:j]), ()):
+                g = ".".join(parts[: j + 1])
+                break
+        out.append(g)
+    return out
+
+
+class GroupInfo(NamedTuple):
+    """One communication group a policy chooses: its name, its leaves' FQNs (tree order)
+    and its bytes unsharded in the compute dtype."""
+
+    name: str
+    leaves: tuple[str, ...]
+    nbytes: int
+
+
+def list_groups(tree: Any, policy: Any = None) -> list[GroupInfo]:
+    """The groups ``policy`` (default ``fs.Policy()``) makes of ``tree`` (full tensors,
+    DTensors or anything with ``shape`` and ``dtype``), in the order a step would first
+    meet them if it used the leaves in tree order.
+
+        >>> for g in fs.list_groups(fs.params(model)):
+        ...     print(g.name or "(rest)", len(g.leaves), g.nbytes)
+    """
+    from ..layout import compute_dtype
+
+    paths, leaves, _ = pytree.flatten_with_path(tree)
+    names = [pytree.fqn(p) for p in paths]
+    groups = getattr(policy, "groups", None)
+    order, members = partition(group_names(names, groups, tree, [x.shape for x in leaves]))
+    dtype = getattr(policy, "param_dtype", None)
+    return [GroupInfo(g, tuple(names[i] for i in idx),
+                      sum(math.prod(leaves[i].shape) * compute_dtype(leaves[i].dtype, dtype)
+                          .itemsize for i in idx))
+            for g, idx in zip(order, members)]
+
+
+def group_names(names: Sequence[str], groups: Any, tree: Any,
+                shapes: Sequence[tuple] | None = None) -> list[str]:
     """The group of each leaf (``names``: the leaves' FQNs, ``tree``: the tree itself).
 
-    ``groups``: None (one group per numbered container element, see :func:`default_group`),
-    a callable ``fqn -> group name``, or a prefix tree of group names.
+    ``groups``: None (the repeated blocks, see :func:`block_groups`; ``shapes`` are the
+    leaves' full shapes), a callable ``fqn -> group name``, or a prefix tree of group names.
     """
     if groups is None:
-        return [default_group(n) for n in names]
+        if shapes is None:
+            leaves = pytree.flatten(tree)[0]
+            shapes = ([getattr(x, "shape", ()) for x in leaves] if len(leaves) == len(names)
+                      else [()] * len(names))
+        return block_groups(names, shapes)
     if callable(groups):
         return [_call_groups(groups, n) for n in names]
     out = pytree.broadcast_prefix(groups, tree, name="Policy.groups")
