@@ -165,6 +165,18 @@ def as_dtensor(local: torch.Tensor, like: DTensor, *, requires_grad: bool = Fals
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    """``t`` is a torch.func transform's wrapper (of a shard, here)."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(t))
+
+
+def transforms_active() -> bool:
+    """A torch.func transform (vmap, grad, jvp, ...) is running around this call."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def describe(tree, *, what: str):
     """Validate a tree of DTensors; return (mesh, paths, leaves, layouts, spec).
 
@@ -176,6 +188,15 @@ def describe(tree, *, what: str):
     layouts = []
     for p, leaf in zip(paths, leaves):
         name = pytree.fqn(p)
+        if isinstance(leaf, torch.Tensor) and _functorch_wrapped(leaf):
+            raise NotImplementedError(
+                f"{what}: leaf {name!r} (shape {tuple(leaf.shape)}) is a sharded parameter "
+                "inside a torch.func transform over it (grad, vjp, jvp, vmap, jacrev, ...): "
+                "the transforms do not reach through DTensor shards and collectives. Transform "
+                "a function of the full parameters instead: full = fs.unshard(sparams); "
+                "grads = torch.func.grad(f)(full); then fs.reduce_grads(grads, like=sparams) "
+                "gives the sharded mean gradient."
+            )
         if not isinstance(leaf, DTensor):
             shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else ""
             raise TypeError(

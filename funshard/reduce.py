@@ -44,6 +44,7 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
                 "full-shape per-rank gradients (not local shards)."
             )
     present = [k for k, g in enumerate(gl) if g is not None]
+    gl = [g.detach() if g is not None else None for g in gl]  # not differentiable
     got = comm.reduce_scatter(
         [layouts[k] for k in present], [gl[k] for k in present], mesh,
         reduce_dtype=reduce_dtype, op=op, transport=transport,

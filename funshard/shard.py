@@ -18,7 +18,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from . import comm, pytree
 from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
-                     placements_for)
+                     placements_for, transforms_active)
 from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
 
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
@@ -138,7 +138,11 @@ def unshard(
     mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
     if not leaves:
         return pytree.unflatten(spec, [])
-    shards = [d.to_local() for d in leaves]  # differentiable: grads come back as DTensors
+    # differentiable: grads come back as DTensors. Inside a torch.func transform (over other
+    # inputs: describe refused transformed shards) to_local's Function is not transformable,
+    # and the shards are constants there
+    shards = ([d._local_tensor.detach() for d in leaves] if transforms_active()
+              else [d.to_local() for d in leaves])
     comm.check_transport(transport, where="unshard")
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
@@ -177,10 +181,7 @@ class _Unshard(torch.autograd.Function):
     """Shards -> full tensors; backward: full grads -> reduced local shard grads."""
 
     @staticmethod
-    def forward(ctx, layouts, mesh, dtypes, reduce_dtype, transport, *shards):
-        ctx.layouts, ctx.mesh, ctx.reduce_dtype = layouts, mesh, reduce_dtype
-        ctx.transport = transport
-        ctx.set_materialize_grads(False)
+    def forward(layouts, mesh, dtypes, reduce_dtype, transport, *shards):
         gathered = [k for k, lay in enumerate(layouts) if lay.sharded]
         full = list(shards)
         if gathered:
@@ -194,6 +195,29 @@ class _Unshard(torch.autograd.Function):
             if not lay.sharded:  # replicated: a fresh tensor, cast like the rest
                 full[k] = shards[k].to(dtypes[k], copy=True)
         return tuple(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # forward and setup_context apart: the form torch.func transforms accept
+        ctx.layouts, ctx.mesh, _, ctx.reduce_dtype, ctx.transport = inputs[:5]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def vmap(info, in_dims, layouts, mesh, dtypes, reduce_dtype, transport, *shards):
+        """Inside torch.func.vmap over other inputs (the shards unbatched): gather once."""
+        if any(d is not None for d in in_dims[5:]):
+            raise NotImplementedError(
+                "unshard: torch.func.vmap over the shards themselves is not supported; vmap "
+                "a function of the full parameters (fs.unshard outside the vmap).")
+        out = _Unshard.apply(layouts, mesh, dtypes, reduce_dtype, transport, *shards)
+        return out, (None,) * len(out)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "unshard: forward-mode AD (torch.func.jvp, jacfwd) through the shards is not "
+            "supported; take the jvp of a function of the full parameters (fs.unshard "
+            "outside it).")
 
     @staticmethod
     def backward(ctx, *grads):
