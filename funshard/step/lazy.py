@@ -113,9 +113,17 @@ class LazyParam(torch.Tensor):
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
 
 
-# Not under torch._dynamo.disable: with it, a rank crashed in a later step of the same test
-# worker (test_full_shard_step_peak_below_fsdp2 after the suite); dynamo, when it traces a
-# compiled loss_fn into here, breaks the graph at the tensor swap instead.
+def _eager(fn):
+    """``fn`` runs eagerly under torch.compile: a compiled loss_fn breaks its graph here (the
+    group's gather and binding), and compiles the compute between."""
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+# (Under dynamo.disable a rank once crashed later in the same test worker: compiled code
+# kept stand-ins alive past their step, and an op on one gathered on a finished run. A
+# stand-in is inert once its step ends (Group.release), which ended that.)
+@_eager
 def _first_use(func, args: tuple, kwargs: dict):
     """An op touches a stand-in: gather and bind its group, then run the op."""
     lazies: list[LazyParam] = []

@@ -81,9 +81,11 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
         objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     from ..step.lazy import LazyParam  # no storage; an op on one would gather
 
+    from torch._subclasses.fake_tensor import FakeTensor  # a compiler's, no real memory
+
     out = {}
     for o in objs:
-        if isinstance(o, LazyParam):
+        if isinstance(o, (LazyParam, FakeTensor)):
             continue
         t = o._local_tensor if isinstance(o, DTensor) else o
         if t.device.type != device.type:
@@ -92,7 +94,8 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             continue
-        out[st._cdata] = st
+        if type(st.nbytes()) is int:  # not a compiler's fake tensor (symbolic sizes)
+            out[st._cdata] = st
     return out
 
 
