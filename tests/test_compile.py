@@ -57,3 +57,43 @@ def test_compiled_loss_fn_trains_as_one_process(pools, raf):
         # gather and binding; the rest group is met twice); none on later steps
         assert 0 < breaks[0] <= 2 * groups and breaks[1:] == [0, 0], (breaks, groups)
         assert graphs >= 1
+
+
+def compiled_llama(spec, steps=3, per_rank=2):
+    """A Hugging Face Llama (test_hf's tiny config) through a compiled loss_fn."""
+    from torch._dynamo.utils import counters
+
+    from test_hf import _llama, _loss_fn
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _llama(False)
+    ref = copy.deepcopy(model)
+    step = fs.train_step(torch.compile(_loss_fn(model), backend="aot_eager"),
+                         fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    breaks = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (world * per_rank, 8), generator=g)
+        before = sum(counters["graph_break"].values())
+        state, _ = step(state, ids[rank * per_rank:(rank + 1) * per_rank])
+        breaks.append(sum(counters["graph_break"].values()) - before)
+        opt.zero_grad()
+        (sum(ref(input_ids=c, labels=c).loss for c in ids.split(per_rank)) / world).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    groups = len(fs.list_groups(fs.params(model)))
+    torch._dynamo.reset()
+    gc.collect()
+    return err, breaks, groups
+
+
+def test_compiled_llama_trains_as_one_process(pools):
+    for err, breaks, groups in pools.run(2, compiled_llama, timeout=300):
+        assert err < 1e-5 and 0 < breaks[0] <= 2 * groups and breaks[1:] == [0, 0], (
+            err, breaks, groups)
