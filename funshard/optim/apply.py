@@ -54,6 +54,8 @@ def deltas_of(grads: Tree, params: Tree, step: int):
     deltas = []
     for path, p, g in zip(p_paths, p_leaves, g_leaves):
         deltas.append(None if g is None or p is None else Delta(_grad_local(path, p, g)))
+    from .clip import rebind  # the step's measured norm holds for dtype-converted grads
+    rebind(g_leaves, deltas)
     return spec, p_paths, p_leaves, deltas
 
 
