@@ -24,6 +24,7 @@ live tensors grow between steps (a leak). Collectives: counted per step by kind 
     python -m benchmarks.bench                        # 2 gloo ranks on CPU, 8 blocks of 512
     python -m benchmarks.bench --world 4 --blocks 4   # adds the 2x2 hybrid mesh
     torchrun --nproc-per-node 8 -m benchmarks.bench --device cuda
+    python -m benchmarks.bench --shapes A,B,C --rounds 4   # issue 18's table (and Muon on A)
     python -m benchmarks.bench --simulate 1024 --mesh 8x128 --params 7e9 --vocab 32000 \\
         --seq 2048 --param-dtype bfloat16            # scaling on paper, no collectives
 
@@ -46,7 +47,8 @@ from funshard.testing import under_torchrun
 from .launch import launch
 from .measure import measure_memory, time_modes
 from .modes import MODES, Config, default_modes, hsdp_ok
-from .report import summarize, table
+from .shapes import LABELS, SHAPES
+from .report import shapes_table, summarize, table
 from .simulate import simulate
 
 
@@ -74,6 +76,11 @@ def parse(argv=None):
                                  description=__doc__.split("\n")[0])
     d = Config()
     ap.add_argument("--world", type=int, default=d.world, help="local ranks to spawn")
+    ap.add_argument("--shape", default="gpt", choices=tuple(SHAPES),
+                    help="the model: gpt (the flags below) or issue 18's A, B, C (fixed shapes)")
+    ap.add_argument("--shapes", default="", metavar="A,B,C",
+                    help="run these shapes one after another (funshard FULL_SHARD, FSDP2, the "
+                         "floor, and Muon on A) and print issue 18's table over them")
     ap.add_argument("--blocks", type=int, default=d.blocks)
     ap.add_argument("--dim", type=int, default=d.dim)
     ap.add_argument("--vocab", type=int, default=d.vocab)
@@ -113,15 +120,35 @@ def config_of(args) -> Config:
     if args.dim % max(1, args.dim // 64):
         raise SystemExit(f"bench: --dim {args.dim} must be a multiple of 64 (heads of 64)")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    return Config(world=world, blocks=args.blocks, dim=args.dim, vocab=args.vocab, seq=args.seq,
-                  batch=args.batch, rounds=args.rounds, warmup=max(2, args.warmup),
-                  steps=args.steps, modes=modes, device=args.device, threads=threads,
-                  profile=tuple(m for m in args.profile.split(",") if m))
+    cfg = Config(world=world, blocks=args.blocks, dim=args.dim, vocab=args.vocab, seq=args.seq,
+                 batch=args.batch, rounds=args.rounds, warmup=max(2, args.warmup),
+                 steps=args.steps, modes=modes, device=args.device, threads=threads,
+                 profile=tuple(m for m in args.profile.split(",") if m))
+    return dataclasses.replace(cfg, **SHAPES[args.shape])
+
+
+def run_shapes(args) -> dict:
+    """Issue 18's comparison: each shape in its own launches, one table over them."""
+    outs = {}
+    for name in args.shapes.split(","):
+        if name not in LABELS:
+            raise SystemExit(f"bench: --shapes takes {', '.join(LABELS)}, got {name!r}")
+        modes = ("funshard_full", "fsdp2_full", "floor") + (("funshard_full_muon",)
+                                                           if name == "A" else ())
+        args.shape, args.modes = name, ",".join(modes)
+        out = run(config_of(args), memory=not args.no_memory, overhead=False)
+        print(f"\n## {LABELS[name]}\n\n{table(out)}", flush=True)
+        outs[LABELS[name]] = out
+    print(f"\n## issue 18: funshard FULL_SHARD vs FSDP2 (fully_shard per block), "
+          f"{args.world} ranks, AdamW\n\n{shapes_table(outs)}")
+    return {"shapes": outs}
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.simulate:
+    if args.shapes:
+        out = run_shapes(args)
+    elif args.simulate:
         out = simulate(args)
     else:
         cfg = config_of(args)

@@ -1,4 +1,4 @@
-"""The benchmark's modes: one GPT, the same batches, and each mode's training step over a copy.
+"""The benchmark's modes: one model (:mod:`benchmarks.shapes`), the same batches, and each mode's training step over a copy.
 
     funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
@@ -18,20 +18,22 @@ import os
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from funshard import Policy, make_mesh, shard, train_step
 from funshard import plan as planlib
-from funshard.optim import adamw
-from funshard.testing.models import GPT, gpt_loss
+from funshard.optim import adamw, muon
+
+from . import shapes
 
 MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "fsdp2_full", "fsdp2_grad_op", "fsdp2_hsdp", "ddp", "floor",
-         "funshard_full_noprefetch")  # the last: a diagnostic, not run by default
+         "funshard_full_noprefetch",  # a diagnostic, not run by default
+         "funshard_full_muon")  # fs.optim.muon instead of AdamW (issue 18, shape A)
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
-        "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full"}
+        "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
+        "funshard_full_muon": "fsdp2_full"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +41,12 @@ class Config:
     """One run: model shape, batch, schedule, modes and device (the command line's flags)."""
 
     world: int = 2
+    kind: str = "gpt"  # the model: gpt, encoder or mlp (benchmarks.shapes)
     blocks: int = 8
     dim: int = 512
     vocab: int = 256
     seq: int = 64
+    hidden: int = 0  # mlp blocks' hidden width
     batch: int = 8  # sequences per rank
     rounds: int = 10
     warmup: int = 2
@@ -93,21 +97,14 @@ def meshes_for(cfg: Config, modes) -> dict:
     return out
 
 
-def _gpt(cfg: Config) -> GPT:
-    return GPT(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.blocks, seq=cfg.seq)
-
-
-def build_model(cfg: Config) -> GPT:
+def build_model(cfg: Config) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)  # the same weights on every rank and in every mode
-    return _gpt(cfg).to(device_of(cfg))
+    return shapes.model_of(cfg).to(device_of(cfg))
 
 
 def batches(cfg: Config, rank: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` per-rank batches of (tokens, targets), each (batch, seq); the same in every mode."""
-    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    dev = device_of(cfg)
-    return [tuple(torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g).to(dev)
-                  for _ in range(2)) for _ in range(n)]
+    """``n`` per-rank batches (inputs, targets); the same in every mode."""
+    return shapes.batches(cfg, rank, device_of(cfg), n)
 
 
 class Runner(NamedTuple):
@@ -115,15 +112,17 @@ class Runner(NamedTuple):
     info: dict  # e.g. funshard's last metrics
 
 
-def build_mode(name: str, base: GPT, cfg: Config, meshes: dict) -> Runner:
+def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> Runner:
     """One mode's training step over a private copy of ``base``."""
     if name.startswith("funshard"):
         raf = not name.endswith("grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
         params = shard(dict(base.named_parameters()), mesh)  # local shards are copies
         with torch.device("meta"):  # functional_call needs only the structure
-            template = _gpt(cfg)
-        step = train_step(gpt_loss(template), adamw(cfg.lr),
+            template = shapes.model_of(cfg)
+        opt = (muon(lr=cfg.lr, other=adamw(cfg.lr)) if name.endswith("muon")
+               else adamw(cfg.lr))
+        step = train_step(shapes.loss_of(cfg, template), opt,
                           policy=Policy(reshard_after_forward=raf,
                                         prefetch=not name.endswith("noprefetch")))
         box, info = [step.init(params)], {}
@@ -149,8 +148,7 @@ def build_mode(name: str, base: GPT, cfg: Config, meshes: dict) -> Runner:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
 
     def run(batch):
-        x, y = batch
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss = shapes.plain_loss(cfg, model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=name != "ddp")  # DDP's grads are views of its buckets
@@ -166,7 +164,7 @@ def bound_for(name: str, cfg: Config) -> dict[str, dict[str, int]]:
     if name == "floor" or cfg.world == 1:
         return {}
     with torch.device("meta"):
-        model = _gpt(cfg)
+        model = shapes.model_of(cfg)
     if name == "ddp":
         p = planlib.plan(model, shard=1)
         return {"all_reduce": {"count": 1, "bytes": p.param_bytes}}
@@ -177,9 +175,17 @@ def plan_for(name: str, cfg: Config) -> planlib.Plan:
     """funshard's plan of a funshard or FSDP2 mode (same mesh and resharding)."""
     world = cfg.world
     with torch.device("meta"):
-        model = _gpt(cfg)
+        model = shapes.model_of(cfg)
     rep = 2 if name.endswith("hsdp") else 1
     return planlib.plan(model, shard=world // rep, replicate=rep,
                         policy=Policy(reshard_after_forward=not name.endswith("grad_op"),
                                       prefetch=not name.endswith("noprefetch")),
-                        **planlib.gpt_order(cfg.blocks))
+                        **order_of(cfg))
+
+
+def order_of(cfg: Config) -> dict[str, list[str]]:
+    """The groups' use order: GPT's (the root around the blocks), or the blocks alone."""
+    if cfg.kind == "gpt":
+        return planlib.gpt_order(cfg.blocks)
+    blocks = [f"layers.{i}" for i in range(cfg.blocks)]
+    return {"forward": blocks, "backward": blocks[::-1]}

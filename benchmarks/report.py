@@ -68,7 +68,7 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None) ->
         modes[m] = row
     for m, row in modes.items():
         twin = modes.get(TWIN.get(m, ""), {})
-        for key in ("live_peak_mb", "step_peak_mb", "os_over_idle_mb"):
+        for key in ("live_peak_mb", "step_peak_mb", "os_over_idle_mb", "os_peak_mb"):
             if key in row and key in twin:
                 row[f"x_twin_{key[:-3]}"] = row[key] / twin[key]
     out = {"config": dataclasses.asdict(cfg), "machine": _machine(cfg), "modes": modes}
@@ -79,6 +79,7 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None) ->
         out["world1"] = {"funshard_full_ms": statistics.median(a) * 1e3,
                          "plain_ms": statistics.median(b) * 1e3,
                          "ratio": r["paired"], "ratio_best": r["best"]}
+    out["rounds"] = {m: [x for x in v] for m, v in rounds.items()}
     out["targets"] = targets(out)
     out["profiles"] = timing.get("profiles", {})
     return out
@@ -147,7 +148,9 @@ def _f(x, fmt="{:.2f}") -> str:
 def table(out: dict) -> str:
     """The markdown table of a :func:`summarize` result."""
     cfg = out["config"]
-    head = (f"funshard bench: GPT {cfg['blocks']} x {cfg['dim']} (vocab {cfg['vocab']}, seq "
+    model = {"encoder": "TransformerEncoderLayer", "mlp": f"MLP block (hidden {cfg['hidden']})"
+             }.get(cfg.get("kind", "gpt"), "GPT")
+    head = (f"funshard bench: {model} {cfg['blocks']} x {cfg['dim']} (vocab {cfg['vocab']}, seq "
             f"{cfg['seq']}), batch {cfg['batch']}/rank, AdamW, {cfg['world']} ranks on "
             f"{cfg['device']}; {cfg['rounds']} interleaved rounds after "
             f"{cfg['warmup']} warm-up steps; per round the slowest rank; ratios: median of the "
@@ -184,3 +187,42 @@ def table(out: dict) -> str:
              else f"{v:.3f}")
         text += f"| {t['target']} | {v} | {t['limit']} | {'yes' if t['met'] else 'NO'} |\n"
     return text
+
+
+def shapes_table(outs: dict[str, dict]) -> str:
+    """Issue 18's table over shapes, from one :func:`summarize` per shape (``{label: out}``):
+    funshard FULL_SHARD against FSDP2 ``fully_shard`` per block and the floor, and Muon
+    against AdamW where it ran."""
+    lines = ["| shape | step x FSDP2 | step x floor | peak RSS x FSDP2 | "
+             "in-step (peak - steady) x FSDP2 | Muon step x AdamW |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, out in outs.items():
+        r = out["modes"].get("funshard_full", {})
+        twin = out["modes"].get("fsdp2_full", {})
+        mu = out["modes"].get("funshard_full_muon")
+        in_step = (f"{r['x_twin_step_peak']:.2f} ({r['step_peak_mb']:.0f} vs "
+                   f"{twin['step_peak_mb']:.0f} MiB)" if "x_twin_step_peak" in r else "-")
+        muon = "-"
+        if mu is not None:
+            rounds = out["rounds"]
+            x = statistics.median(a / b for a, b in zip(rounds["funshard_full_muon"],
+                                                         rounds["funshard_full"]))
+            muon = f"{x:.2f} ({mu['step_ms']:.0f} vs {r['step_ms']:.0f} ms)"
+        lines.append(f"| {label} | {_ratios(r, 'twin')} | {_ratios(r, 'floor')} | "
+                     f"{_f(r.get('x_twin_os_peak'), '{:.3f}')} | {in_step} | {muon} |")
+    lines += ["", "| target | value | limit | met |", "|---|---:|---:|---|"]
+    for label, out in outs.items():
+        r, letter = out["modes"].get("funshard_full", {}), label[:1]
+        checks = {"A": (("x_twin", 0.8), ("x_floor", 1.15)),
+                  "B": (("x_twin_step_peak", 0.6), ("x_floor", 1.15)),
+                  "C": (("x_twin", 1.0),)}.get(letter, ()) + (("x_twin_os_peak", 1.0),)
+        if letter == "A" and "funshard_full_muon" in out["rounds"]:
+            rounds = out["rounds"]
+            r = dict(r, x_muon=statistics.median(
+                a / b for a, b in zip(rounds["funshard_full_muon"], rounds["funshard_full"])))
+            checks += (("x_muon", 1.3),)
+        for key, limit in checks:
+            if key in r:
+                lines.append(f"| {letter} {key} | {r[key]:.3f} | {limit} | "
+                             f"{'yes' if r[key] <= limit else 'NO'} |")
+    return "\n".join(lines)

@@ -12,7 +12,7 @@ import funshard as fs
 from benchmarks import bench
 from benchmarks.measure import measure_memory, time_modes
 from benchmarks.modes import Config
-from benchmarks.report import summarize, table
+from benchmarks.report import shapes_table, summarize, table
 from funshard.testing.models import GPT, gpt_loss
 from funshard.plan import gpt_dims, gpt_order, plan
 from funshard.testing import CountCollectives, mesh, world_of
@@ -104,9 +104,9 @@ def test_plan_errors():
 TINY = dict(world=2, blocks=2, dim=32, seq=16, batch=2, rounds=2, warmup=2)
 
 
-def pipeline(spec, modes):
+def pipeline(spec, modes, **shape):
     """The benchmark's phases in the pool's ranks (no spawning): timing, collectives, memory."""
-    cfg = Config(**TINY, modes=tuple(modes))
+    cfg = Config(**{**TINY, **shape}, modes=tuple(modes))
     timing = time_modes(cfg)
     memory = {m: measure_memory(cfg, m) for m in modes}
     return timing, memory
@@ -166,3 +166,25 @@ def test_bench_command_line(tmp_path):
     assert res["world1"]["ratio"] > 0
     assert {t["target"] for t in res["targets"]} >= {"funshard_full step / fsdp2_full",
                                                      "world 1: funshard / plain step"}
+
+
+@pytest.mark.parametrize("label,shape", [("A: tiny", dict(kind="encoder", dim=64)),
+                                         ("B: tiny", dict(kind="mlp", dim=16, hidden=64))])
+def test_bench_shapes_table(pools, label, shape):
+    """Issue 18's shapes (a transformer encoder stack, an MLP stack) run in every mode, and
+    the table over shapes gives the ratios, the in-step memory and Muon against AdamW."""
+    modes = ("funshard_full", "fsdp2_full", "floor") + (
+        ("funshard_full_muon",) if shape["kind"] == "encoder" else ())
+    timing, memory = pools.run(2, pipeline, modes, **shape)[0]
+    res = summarize(Config(**{**TINY, **shape}, modes=modes), timing, memory, overhead=None)
+    ours = res["modes"]["funshard_full"]
+    for key in ("x_twin", "x_floor", "x_twin_os_peak", "x_twin_step_peak"):
+        assert ours[key] > 0, (key, ours)
+    assert ours["collectives"]["reduce_scatter"]["count"] == 2  # one per block, no root group
+    text = shapes_table({label: res})
+    row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 6 and "MiB)" in cells[4], row
+    assert (cells[5] != "-") == (shape["kind"] == "encoder"), row
+    assert f"| {label[0]} x_twin_os_peak |" in text
+    json.dumps(res)

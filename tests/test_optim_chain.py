@@ -265,3 +265,31 @@ def test_chain_state_checkpoints_and_resumes_exactly(pools, tmp_path):
         assert "opt_state.inner_states.base.exp_avg_sq.w" in keys
         assert "opt_state.inner_states.lora.momentum_buffer.lora_A" in keys
         assert "opt_state.inner_states.base.exp_avg.w" in keys
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip+adamw", "clip+sgd"])
+def test_update_transient_at_most_the_largest_leaf(name):
+    """[Note: lean updates]: the update's live-tensor peak over what lives before it is at most
+    the largest leaf (plus small scalars), not the sum of the leaves as a foreach over all of
+    them (Adam's denominators, clipped gradients) would make; the numbers stay torch's."""
+    from funshard.testing import LivePeak, tensor_bytes
+
+    opts = {"adamw": lambda: optim.adamw(1e-3),
+            "clip+adamw": lambda: optim.chain(optim.clip_by_global_norm(1e-3), optim.adamw(1e-3)),
+            "clip+sgd": lambda: optim.chain(optim.clip_by_global_norm(1e-3),
+                                            optim.sgd(1e-3, momentum=0.9, weight_decay=0.1))}
+    torch.manual_seed(0)
+    shapes = [(256, 128)] * 6 + [(512, 128), (64,)]
+    params = {f"p{i}": torch.randn(s, requires_grad=True) for i, s in enumerate(shapes)}
+    grads = {k: torch.randn(v.shape) for k, v in params.items()}
+    opt = opts[name]()
+    state = opt.init(params)
+    cpu = torch.device("cpu")
+    for step in range(2):
+        before = tensor_bytes(cpu)
+        with LivePeak(cpu) as live:
+            params, state = opt.update(grads, state, params, step=step)
+        largest = 512 * 128 * 4
+        total = sum(g.nbytes for g in grads.values())
+        assert live.peak - before <= largest + 4096, (name, step, live.peak - before, largest)
+        assert total > 4 * largest

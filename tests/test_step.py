@@ -413,6 +413,62 @@ def test_nonfinite_gradients_skip_or_raise(pools):
         assert "skip_nonfinite=True" in msg and "unchanged" in msg and r[(False, "unchanged")]
 
 
+def policy_sugar(spec):
+    """Policy(clip_norm=, skip_nonfinite=) against the same transforms written in the chain,
+    and against from_torch (an optimizer that is not a chain)."""
+    m = mesh(spec)
+    rank = dist.get_rank()
+    model, loss_fn, kind = build("mlp")
+    poison = [0.0]
+
+    def poisoned(params, batch):  # a NaN gradient on rank 1 when poison[0] is NaN
+        return loss_fn(params, batch) + 0 * (params["layers.1.0.weight"]
+                                             * (poison[0] if rank == 1 else 0.0)).sum()
+
+    O = fs.optim
+    runs = {
+        "policy": (O.adamw(1e-2), fs.Policy(clip_norm=0.05, skip_nonfinite=True)),
+        "chain": (O.chain(O.clip_by_global_norm(0.05), O.adamw(1e-2)),
+                  fs.Policy(skip_nonfinite=True)),
+        "torch": (O.from_torch(torch.optim.AdamW, lr=1e-2),
+                  fs.Policy(clip_norm=0.05, skip_nonfinite=True)),
+    }
+    data = batches(kind, dist.get_world_size(), 2, 3)
+    out = {}
+    for name, (opt, policy) in runs.items():
+        step = fs.train_step(poisoned, opt, policy=policy)
+        state = step.init(fs.shard(fs.params(model), m))
+        metrics, counts = [], []
+        for j, b in enumerate(data):
+            poison[0] = float("nan") if j == 1 else 0.0
+            local = tuple(x[rank * 2:(rank + 1) * 2] for x in b)
+            before = {k: v.to_local().clone() for k, v in state.params.items()}
+            with CountCollectives() as cc:
+                state, mt = step(state, local)
+            unchanged = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+            metrics.append((mt["skipped"], repr(mt["grad_norm"]), unchanged))  # nan == nan
+            counts.append(dict(cc.counts))
+        out[name] = dict(metrics=metrics, counts=counts,
+                         params={k: v.to_local().clone() for k, v in state.params.items()})
+    return out
+
+
+def test_policy_clip_and_skip_are_the_transforms(pools):
+    """Policy(clip_norm=, skip_nonfinite=) builds clip_by_global_norm / apply_if_finite: the
+    same parameters bit for bit, the same metrics, and no collective beyond the metrics'
+    all-reduce; the skipped step leaves the parameters unchanged."""
+    for r in pools.run(2, policy_sugar):
+        pol, ch, th = r["policy"], r["chain"], r["torch"]
+        assert [x[0] for x in pol["metrics"]] == [0, 1, 0]
+        assert pol["metrics"][1][2] and not pol["metrics"][0][2]  # skipped step: unchanged
+        assert float(pol["metrics"][0][1]) > 0.05 and pol["metrics"][1][1] == "nan"  # clipped
+        assert pol["metrics"] == ch["metrics"] == th["metrics"]
+        assert pol["counts"] == ch["counts"] == th["counts"], (pol["counts"], ch["counts"])
+        assert all(c["all_reduce"] == 1 for c in pol["counts"]), pol["counts"]
+        for k, v in pol["params"].items():  # (torch counts steps per parameter, so after a
+            assert torch.equal(v, ch["params"][k]), k  # skip its bias correction differs)
+
+
 def step_peaks(spec, blocks=8):
     """Live tensor peak of one FULL_SHARD step (all storages, regrown ones included), funshard
     and FSDP2 (fully_shard per block) on the same GPT, AdamW, same batch."""

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .base import (Delta, GradientTransformation, Optimizer, Tree, as_delta, flatten, group_by,
-                   local, path_str, unflatten)
+from .base import (Delta, GradientTransformation, Optimizer, Tree, as_delta, chunks, dens,
+                   flatten, group_by, local, path_str, unflatten)
 
 
 def as_optimizer(transform: GradientTransformation) -> Optimizer:
@@ -54,6 +54,8 @@ def deltas_of(grads: Tree, params: Tree, step: int):
     deltas = []
     for path, p, g in zip(p_paths, p_leaves, g_leaves):
         deltas.append(None if g is None or p is None else Delta(_grad_local(path, p, g)))
+    from .clip import rebind  # the step's measured norm holds for dtype-converted grads
+    rebind(g_leaves, deltas)
     return spec, p_paths, p_leaves, deltas
 
 
@@ -73,19 +75,26 @@ def _grad_local(path: tuple, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _write(deltas: list, params: list) -> None:
-    """``p <- p + delta`` for every leaf with a delta, with torch's fused ops (foreach)."""
+    """``p <- p + delta`` for every leaf with a delta, with torch's foreach ops, a chunk of
+    leaves at a time ([Note: lean updates])."""
     idx = [i for i, d in enumerate(deltas) if d is not None]
     ds, ps = [deltas[i] for i in idx], [local(params[i]) for i in idx]
     keys = [(p.device, p.dtype, d.den is None, d.coupled and d.wd != 0.0, d.numer / d.divisor,
              d.wd * (d.wd_numer / d.wd_divisor) if not d.coupled else d.wd) for d, p in zip(ds, ps)]
-    for (_, _, no_den, coupled, s, wd), (dg, pg) in group_by(keys, ds, ps):
-        nums = [d.num for d in dg]
-        if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it
-            torch._foreach_add_(pg, torch._foreach_add(nums, pg, alpha=wd), alpha=s)
-            continue
-        if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
-            torch._foreach_mul_(pg, 1 + wd)
-        if no_den:
-            torch._foreach_add_(pg, nums, alpha=s)
-        else:
-            torch._foreach_addcdiv_(pg, nums, [d.den for d in dg], s)
+    for (_, _, no_den, coupled, s, wd), (dg_all, pg_all) in group_by(keys, ds, ps):
+        for run in chunks(pg_all):
+            _write_run([dg_all[j] for j in run], [pg_all[j] for j in run], no_den, coupled, s, wd)
+
+
+def _write_run(dg: list, pg: list, no_den: bool, coupled: bool, s: float, wd: float) -> None:
+    """One chunk of leaves with the same kind of delta and the same scalars."""
+    nums = [d.num for d in dg]
+    if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it
+        torch._foreach_add_(pg, torch._foreach_add(nums, pg, alpha=wd), alpha=s)
+        return
+    if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
+        torch._foreach_mul_(pg, 1 + wd)
+    if no_den:
+        torch._foreach_add_(pg, nums, alpha=s)
+    else:
+        torch._foreach_addcdiv_(pg, nums, dens([d.den for d in dg]), s)

@@ -16,6 +16,12 @@ own ops: ``p.mul_(1 - lr * wd); p.addcdiv_(m, denom, value=-lr / bc1)`` for Adam
 bit and no update-sized temporary is made. A transform that needs the update's values calls
 :func:`materialize` (a plain tensor per leaf); a custom transform may return plain tensors.
 
+[Note: lean updates] No transient of the optimizer is larger than the largest leaf's local
+shard: Adam's denominator stays pending too (:class:`RootDen`, ``sqrt(v) / c + eps``), and
+whatever must be computed (a pending denominator, a scaled gradient) is computed for one
+:func:`chunks` of leaves at a time, a chunk holding at most the largest leaf's elements, with
+the same foreach ops torch.optim uses (so the numbers stay torch's, bit for bit).
+
 Donation rule: like JAX donated buffers, ``Optimizer.update`` modifies the local shards of
 ``params`` and of ``state`` IN PLACE (under ``torch.no_grad()``) and returns trees sharing
 storage with its inputs; do not use the old ``params`` / ``state`` after the call. Parameter
@@ -64,12 +70,51 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation: no leaves."""
 
 
+class RootDen(NamedTuple):
+    """A pending denominator ``sqrt(v) / scale + eps`` (Adam's), computed when written."""
+
+    v: torch.Tensor
+    scale: float
+    eps: float
+
+
+def dens(ds: list) -> list:
+    """The denominators of deltas ``ds`` (each a tensor or a :class:`RootDen`), as torch's
+    foreach Adam computes them: ``sqrt``, ``div_``, ``add_``, one foreach call per scalar pair."""
+    out = [d if not isinstance(d, RootDen) else None for d in ds]
+    lazy = [j for j, d in enumerate(ds) if isinstance(d, RootDen)]
+    for (scale, eps), (pos, vs) in group_by([(ds[j].scale, ds[j].eps) for j in lazy], lazy,
+                                            [ds[j].v for j in lazy]):
+        t = torch._foreach_sqrt(vs)
+        torch._foreach_div_(t, scale)
+        torch._foreach_add_(t, eps)
+        for j, x in zip(pos, t):
+            out[j] = x
+    return out
+
+
+def chunks(tensors: list) -> list[list[int]]:
+    """Positions of ``tensors`` in consecutive runs of at most the largest one's elements (so a
+    temporary per element of a run is no larger than the largest leaf: [Note: lean updates])."""
+    limit = max((t.numel() for t in tensors), default=0)
+    out, run, n = [], [], 0
+    for j, t in enumerate(tensors):
+        if run and n + t.numel() > limit:
+            out.append(run)
+            run, n = [], 0
+        run.append(j)
+        n += t.numel()
+    if run:
+        out.append(run)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Delta:
     """One leaf's pending update (see [Note: pending updates]); ``num`` is a local tensor."""
 
     num: torch.Tensor
-    den: Optional[torch.Tensor] = None
+    den: Optional[Union[torch.Tensor, RootDen]] = None
     numer: float = 1.0
     divisor: float = 1.0
     wd: float = 0.0
@@ -145,14 +190,22 @@ def materialize(d: Optional[Delta], p: Any) -> Optional[torch.Tensor]:
     if d is None or d.plain:
         return None if d is None else d.num
     s = d.numer / d.divisor
+    # one new tensor, then in place (the values of torch.add / mul / div, without a second one)
     if d.coupled and d.wd != 0.0:  # SGD's L2 penalty: g + wd * p, as torch adds it
         t = torch.add(d.num, local(p), alpha=d.wd)
-        return t if s == 1.0 else torch.mul(t, s)
-    t = d.num if d.den is None else torch.div(d.num, d.den)
-    if s != 1.0:
-        t = torch.mul(t, s)
+        return t if s == 1.0 else t.mul_(s)
+    if d.den is None:
+        t = d.num if s == 1.0 else torch.mul(d.num, s)
+    elif isinstance(d.den, RootDen):
+        den = dens([d.den])[0]
+        t = torch.div(d.num, den, out=den)
+    else:
+        t = torch.div(d.num, d.den)
+    if s != 1.0 and d.den is not None:
+        t.mul_(s)
     if d.wd != 0.0:
-        t = torch.add(t, local(p), alpha=d.wd * (d.wd_numer / d.wd_divisor))
+        wd = d.wd * (d.wd_numer / d.wd_divisor)
+        t = torch.add(t, local(p), alpha=wd) if t is d.num else t.add_(local(p), alpha=wd)
     return t
 
 

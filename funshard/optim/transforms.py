@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from .base import (Delta, EmptyState, GradientTransformation, ScalarOrSchedule, Tree, as_delta,
-                   check, check_lr, flatten, group_by, local, lr_at, materialize, path_str, unflatten,
-                   zeros_tree)
+from .base import (Delta, EmptyState, GradientTransformation, RootDen, ScalarOrSchedule, Tree,
+                   as_delta, check, check_lr, chunks, flatten, group_by, local, lr_at, materialize,
+                   path_str, unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -37,9 +37,11 @@ class TraceState(NamedTuple):
 SGDState = TraceState  # the name fs.optim.sgd's state always had
 
 
-def active(updates: Tree, params: Tree, *states: Tree):
+def active(updates: Tree, params: Tree, *states: Tree, lazy: bool = False):
     """Flatten; the positions with an update, their materialized local updates, params and
-    local state tensors. Returns ``(spec, leaves, idx, grads, params, [state lists])``."""
+    local state tensors. Returns ``(spec, leaves, idx, grads, params, [state lists])``;
+    ``lazy=True``: ``grads`` are the updates themselves, to :func:`materialize` a chunk at a
+    time ([Note: lean updates])."""
     _, u_leaves, spec = flatten(updates)
     paths, p_leaves, _ = flatten(params)
     s_leaves = [flatten(s)[1] for s in states]
@@ -49,7 +51,7 @@ def active(updates: Tree, params: Tree, *states: Tree):
         if missing:
             raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
                              "optimizer state (it was frozen or absent at init)")
-    grads = [materialize(u_leaves[i], p_leaves[i]) for i in idx]
+    grads = [u_leaves[i] if lazy else materialize(u_leaves[i], p_leaves[i]) for i in idx]
     return (spec, u_leaves, idx, grads, [local(p_leaves[i]) for i in idx],
             [[local(s[i]) for i in idx] for s in s_leaves])
 
@@ -72,21 +74,25 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return AdamState(zeros_tree(params), zeros_tree(params))
 
     def update(updates: Tree, state: AdamState, params: Tree, *, step: int):
-        spec, leaves, idx, grads, _, (m, v) = active(updates, params, state.exp_avg,
-                                                     state.exp_avg_sq)
+        spec, leaves, idx, us, ps, (m, v) = active(updates, params, state.exp_avg,
+                                                   state.exp_avg_sq, lazy=True)
         bias_correction1 = 1 - b1 ** float(step + 1)
         bias_correction2_sqrt = (1 - b2 ** float(step + 1)) ** 0.5
         out = list(leaves)
         with torch.no_grad():
-            for pos, gs, ms, vs in by_device(idx, grads, m, v):
-                torch._foreach_lerp_(ms, gs, 1 - b1)
-                torch._foreach_mul_(vs, b2)
-                torch._foreach_addcmul_(vs, gs, gs, 1 - b2)
-                denom = torch._foreach_sqrt(vs)
-                torch._foreach_div_(denom, bias_correction2_sqrt)
-                torch._foreach_add_(denom, eps)
-                for i, mm, dd in zip(pos, ms, denom):
-                    out[i] = Delta(mm, dd, divisor=bias_correction1)
+            # torch.optim's foreach Adam, a chunk of leaves at a time; the denominator stays
+            # pending (RootDen) until the parameter is written ([Note: lean updates])
+            for pos, ms, vs, us_, ps_ in by_device(idx, m, v, us, ps):
+                for run in chunks(ms):
+                    gs = [materialize(us_[j], ps_[j]) for j in run]
+                    m_run, v_run = [ms[j] for j in run], [vs[j] for j in run]
+                    torch._foreach_lerp_(m_run, gs, 1 - b1)
+                    torch._foreach_mul_(v_run, b2)
+                    torch._foreach_addcmul_(v_run, gs, gs, 1 - b2)
+                    del gs
+                for i, mm, vv in zip(pos, ms, vs):
+                    out[i] = Delta(mm, RootDen(vv, bias_correction2_sqrt, eps),
+                                   divisor=bias_correction1)
         return unflatten(spec, out), state
 
     return GradientTransformation(init, update)
@@ -112,18 +118,25 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
     def update(updates: Tree, state: TraceState, params: Tree, *, step: int):
         if momentum == 0:
             return updates, state
-        spec, leaves, idx, grads, _, (bufs,) = active(updates, params, state.momentum_buffer)
+        spec, leaves, idx, us, ps, (bufs,) = active(updates, params, state.momentum_buffer,
+                                                    lazy=True)
         out = list(leaves)
         with torch.no_grad():
-            for pos, gs, bs in by_device(idx, grads, bufs):
-                if step == 0:
-                    torch._foreach_copy_(bs, gs)
-                else:
-                    torch._foreach_mul_(bs, momentum)
-                    torch._foreach_add_(bs, gs, alpha=1 - dampening)
-                res = torch._foreach_add(gs, bs, alpha=momentum) if nesterov else bs
-                for i, r in zip(pos, res):
-                    out[i] = Delta(r)
+            # a chunk of leaves at a time ([Note: lean updates]); Nesterov's update is a new
+            # tensor per leaf, alive until written
+            for pos, bs, us_, ps_ in by_device(idx, bufs, us, ps):
+                for run in chunks(bs):
+                    gs = [materialize(us_[j], ps_[j]) for j in run]
+                    b_run = [bs[j] for j in run]
+                    if step == 0:
+                        torch._foreach_copy_(b_run, gs)
+                    else:
+                        torch._foreach_mul_(b_run, momentum)
+                        torch._foreach_add_(b_run, gs, alpha=1 - dampening)
+                    res = torch._foreach_add(gs, b_run, alpha=momentum) if nesterov else b_run
+                    for j, r in zip(run, res):
+                        out[pos[j]] = Delta(r)
+                    del gs, res  # before the next chunk's are made
         return unflatten(spec, out), state
 
     return GradientTransformation(init, update)

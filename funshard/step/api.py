@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm, pytree
 from ..layout import check_float_dtype
 from ..mesh import mesh_str
+from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
 from . import agree, lazy
 from . import buffers as buffers_
@@ -59,7 +60,8 @@ class Policy:
         reduce_dtype: dtype gradients are reduced in (e.g. torch.float32).
         accumulate: micro-batches per step; the batch's dim 0 is split in this many parts and
             gradients are reduced once per step.
-        clip_norm: clip the global gradient norm (over all shards, each element once).
+        clip_norm: clip the global gradient norm (over all shards, each element once): sugar
+            for ``fs.optim.clip_by_global_norm(clip_norm)`` in front of the optimizer.
         groups: communication groups. None: one per repeated block (``layers.0``,
             ``transformer.h.1``, ...: :func:`funshard.step.block_groups`) and one for the
             rest. Or a callable ``fqn -> group name``, or a prefix tree of group names.
@@ -68,7 +70,9 @@ class Policy:
         skip_nonfinite: when the global gradient norm is NaN or inf, skip the update on every
             rank (they agree: the norm is all-reduced) and report ``metrics["skipped"] = 1``;
             otherwise such a step raises ``FloatingPointError`` naming the first parameter
-            whose gradient is not finite, leaving the state unchanged.
+            whose gradient is not finite, leaving the state unchanged. True is sugar for
+            ``fs.optim.apply_if_finite()`` first in front of the optimizer (a non-finite loss
+            counts too); ``metrics["skipped"]`` says whether it dropped the update.
         transport: how buckets move: ``"auto"`` (a direct point-to-point exchange on gloo
             CPU groups, the backend's collectives elsewhere), ``"c10d"`` or ``"p2p"`` (see
             :mod:`funshard.comm`).
@@ -311,6 +315,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
     donations = _Donations()
+    # the Policy's clipping and non-finite skip are the fs.optim transforms, in front
+    optimizer = optim_clip.with_policy(optimizer, clip_norm=policy.clip_norm,
+                                       skip_nonfinite=policy.skip_nonfinite)
 
     def groups_for(params: Tree) -> ParamGroups:
         leaves, spec = pytree.flatten(params)
@@ -354,14 +361,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
 
 def _update(optimizer, policy: Policy, params: ParamGroups, state: TrainState, out: _Grads,
             batch: Any) -> tuple[TrainState, dict]:
-    """Metrics, the non-finite rule, clipping and the optimizer on the local shards."""
+    """Metrics, the non-finite rule, and the optimizer (with the Policy's apply_if_finite and
+    clip_by_global_norm in front) on the local shards."""
     _check_trained(params, out.grads)
     metrics, present = _metrics(params, out, policy.accumulate)
     grads, norm = out.grads, metrics["grad_norm"]
-    if not (math.isfinite(norm) and math.isfinite(metrics["loss"])):
-        if policy.skip_nonfinite:  # every rank sees the same values: all skip together
-            return (TrainState(state.params, state.opt_state, state.step + 1),
-                    {**metrics, "skipped": 1})
+    finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
+    if not finite and not policy.skip_nonfinite:
         if not math.isfinite(norm):
             _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
         raise FloatingPointError(
@@ -369,13 +375,13 @@ def _update(optimizer, policy: Policy, params: ParamGroups, state: TrainState, o
             f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
             "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
             "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
-    if policy.clip_norm is not None and present:
-        coef = min(1.0, policy.clip_norm / (norm + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_([grads[i] for i in present], coef)
     grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
-    new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
-                                             step=state.step)
+    # the transforms take the norm and the finite check the metrics' all-reduce measured
+    # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
+    with optim_clip.measured(grad_tree, norm, finite) as seen:
+        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                                 step=state.step)
+    metrics["skipped"] = int(seen.dropped)
     return TrainState(new_params, opt_state, state.step + 1), metrics
 
 
