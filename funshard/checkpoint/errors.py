@@ -101,7 +101,8 @@ def peers(what: str, op: str, rank: int, pg=None):
         failed = failures.explain(e, f"{op}'s collectives")
         if failed is not None:  # another rank's exception: raise that
             raise failed from e
-        text, differ = str(e).strip()[:300], failures.calls_differ(f"{op}'s collectives")
+        text, differ = str(e).strip()[:300], failures.calls_differ(
+            f"{op}'s collectives", wait=1.5 if "time" in str(e).lower() else 0.2)
         if "time" not in text.lower():
             raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "
                                   f"or left the process group).{differ} Backend said: {text}"

@@ -46,7 +46,8 @@ def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
         failed = failures.explain(e, where)
         if failed is not None:
             raise failed from e
-        text, differ = str(e), failures.calls_differ(where)
+        text, differ = str(e), failures.calls_differ(
+            where, wait=1.5 if "time" in str(e).lower() else 0.2)
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise failures.PeerLost(
                 f"funshard: {where} failed on rank {dist.get_rank()}: another rank is gone (its "
