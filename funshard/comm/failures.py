@@ -30,12 +30,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import time
 
-import torch
 import torch.distributed as dist
 
 PREFIX = "funshard/"
@@ -240,15 +238,3 @@ def calls_differ(where: str, wait: float = 1.5) -> str:
                       for r, s in sorted(seen.items()))
     return (f" Ranks made different calls: {lines}. Every rank must make the same funshard "
             "calls (steps, saves, loads) in the same order.")
-
-
-def fingerprint(desc) -> list[float]:
-    """Two numbers whose sums over ranks equal world times this rank's only if every rank
-    has the same ``desc`` (sum and sum of squares of a 20-bit hash: zero variance)."""
-    h = int(hashlib.sha1(repr(desc).encode()).hexdigest()[:5], 16)
-    return [float(h), float(h) * h]
-
-
-def differs(summed: torch.Tensor, mine: list[float], world: int) -> bool:
-    """After an all-reduce (sum) of :func:`fingerprint`: did some rank differ?"""
-    return any(abs(float(s) - world * m) > 0.5 for s, m in zip(summed.tolist(), mine))

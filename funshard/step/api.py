@@ -162,7 +162,6 @@ class _Grads(NamedTuple):
     loss_sum: torch.Tensor
     aux: list
     peaks: tuple[int, int]
-    calls: tuple = ()  # what every rank must have alike: call number, step, gather order
 
 
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
@@ -198,10 +197,9 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             for k2, i in enumerate(g.idx):
                 grads[i] = g.grads[k2]
     peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
-    order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     for r in runs:
         r.release()
-    return _Grads(grads, loss_sum, aux_all, peaks, order)
+    return _Grads(grads, loss_sum, aux_all, peaks)
 
 
 class _Donations:
@@ -265,14 +263,11 @@ def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     present = [i for i, g in enumerate(out.grads) if g is not None]
     sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present],
                        params.device)
-    same = comm.failures.fingerprint(out.calls)  # ranks made the same step (comm.failures)
-    both = torch.cat([torch.stack([out.loss_sum / k, sq]), sq.new_tensor(same)])
+    both = torch.stack([out.loss_sum / k, sq])
     if params.world > 1:
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
     both = both.cpu()
-    if params.world > 1 and comm.failures.differs(both[2:], same, dist.get_world_size()):
-        _raise_different_steps(params, out.calls)
     metrics = {
         "loss": both[0].item() / params.world,
         "grad_norm": both[1].clamp_min(0).sqrt().item(),
@@ -283,28 +278,6 @@ def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     if any(a is not None for a in out.aux):
         metrics["aux"] = out.aux[0] if k == 1 else out.aux
     return metrics, present
-
-
-def _raise_different_steps(params: ParamGroups, calls: tuple) -> None:
-    """Every rank found that the ranks' steps differ: name the first difference."""
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, calls)
-    (s0, step0, order0), r = every[0], next(r for r, c in enumerate(every) if c != every[0])
-    s1, step1, order1 = every[r]
-    if (s0, step0) != (s1, step1):
-        what = (f"rank 0 is in its funshard call {s0} at step {step0}, rank {r} in its call {s1} "
-                f"at step {step1}: a rank skipped or repeated a step, save or load")
-    else:
-        def names(o):
-            return [[params.names[g] or '<rest>' for g in phase] for phase in o]
-        j = next((j for j, (a, b) in enumerate(zip(order0, order1)) if a != b), 0)
-        what = (f"in micro-batch {j}, rank 0 gathered the groups {names(order0[j])} (forward, "
-                f"backward) and rank {r} {names(order1[j])}: loss_fn took another branch on a "
-                "rank, and the gathers exchanged data of different groups")
-    raise ValueError(
-        f"train_step: ranks made different steps at step {step0}: {what}. The parameters and "
-        "optimizer state are unchanged. Every rank must call the step the same number of times "
-        "and use the same parameters in the same order in loss_fn.")
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
@@ -342,10 +315,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (comm.failures)
-        with comm.failures.call(f"train_step (step {getattr(state, 'step', '?')})") as seq:
-            return _apply(state, batch, seq)
+        with comm.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
+            return _apply(state, batch)
 
-    def _apply(state: TrainState, batch: Any, seq: int) -> tuple[TrainState, dict]:
+    def _apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if torch.is_inference_mode_enabled():
             raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                                "gradient can be computed; call it outside.")
@@ -355,7 +328,6 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
         out = _micro_batches(loss_fn, params, shards, policy, batch)
-        out = out._replace(calls=(seq, state.step, out.calls))
         new_state, metrics = _update(optimizer, policy, params, state, out, batch)
         return donations.remember(new_state), metrics
 
