@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -288,16 +289,69 @@ def _sample(run: Run, state: fs.TrainState) -> str:
 
 
 def _worker(args: argparse.Namespace) -> dict:
-    """Entry point of each launched process."""
+    """Entry point of each launched process. An exception ends it with exit code 1 and no
+    traceback: it is written for the launching process (``FUNSHARD_ERRORS``), or, under
+    torchrun, printed once by the rank that caused it (not by the ranks it stopped)."""
     try:
-        return train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        out = train(args)
+    except Exception as e:  # noqa: BLE001 - reported once, below
+        _report(e)
+        raise SystemExit(1) from None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+# Errors that only say another rank failed or left: the cause is elsewhere.
+_CONSEQUENCES = ("RankFailed", "PeerLost", "CollectiveTimeout")
+
+
+def _report(e: BaseException) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rec = {"rank": rank, "at": time.time(), "type": type(e).__name__, "message": str(e),
+           "cause": (f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else None)}
+    where = os.environ.get("FUNSHARD_ERRORS")
+    if where:
+        with open(os.path.join(where, f"rank_{rank}.json"), "w") as f:
+            json.dump(rec, f)
+    elif rec["type"] not in _CONSEQUENCES:
+        print(_one_error(rec), file=sys.stderr, flush=True)
+
+
+def _one_error(rec: dict) -> str:
+    text = f"funshard train: rank {rec['rank']} failed: {rec['type']}: {rec['message']}"
+    return text + (f"\n  caused by {rec['cause']}" if rec.get("cause") else "")
+
+
+def _first_failure(where: str, failures: dict) -> str:
+    """The launched run's cause, in one message: the earliest error that is not another
+    rank's consequence; else a rank killed by a signal; else the earliest error."""
+    recs = []
+    for name in os.listdir(where):
+        with open(os.path.join(where, name)) as f:
+            recs.append(json.load(f))
+    recs.sort(key=lambda r: r["at"])
+    roots = [r for r in recs if r["type"] not in _CONSEQUENCES]
+    if roots:
+        return _one_error(roots[0])
+    killed = sorted((r, f.exitcode) for r, f in failures.items() if f.exitcode < 0)
+    if killed:
+        r, code = killed[0]
+        return (f"funshard train: rank {r} died: killed by signal {-code} "
+                f"({signal.Signals(-code).name}); the other ranks stopped because of it")
+    if recs:
+        return _one_error(recs[0])
+    r, f = min(failures.items())
+    return f"funshard train: rank {r} failed with exit code {f.exitcode}"
 
 
 def launch_local(args: argparse.Namespace) -> int:
-    """Start ``args.nproc`` processes with torch's elastic launcher (gloo on CPU)."""
+    """Start ``args.nproc`` processes with torch's elastic launcher (gloo on CPU). A failed
+    run prints its first failing rank's error once (not the launcher's report) and returns 1."""
+    import logging
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -308,7 +362,22 @@ def launch_local(args: argparse.Namespace) -> int:
         monitor_interval=0.5, start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    elastic_launch(config, _worker)(args)
+    where = tempfile.mkdtemp(prefix="funshard-errors-")
+    os.environ["FUNSHARD_ERRORS"] = where  # the spawned ranks inherit it
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [q.level for q in quiet]
+    for q in quiet:  # their report of a failure is replaced by ours
+        q.setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, _worker)(args)
+    except ChildFailedError as e:
+        print(_first_failure(where, e.failures), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for q, lv in zip(quiet, levels):
+            q.setLevel(lv)
+        os.environ.pop("FUNSHARD_ERRORS", None)
+        shutil.rmtree(where, ignore_errors=True)
     return 0
 
 
@@ -320,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args, world)
         if under_launcher:
-            _worker(args)
+            try:
+                _worker(args)
+            except SystemExit as e:  # the error was printed once, by the rank that caused it
+                return int(e.code or 0)
             return 0
         return launch_local(args)
     except UsageError as e:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .._ranks import _timeout
-from ..comm import CollectiveTimeout
+from ..comm import CollectiveTimeout, failures
 
 
 class CheckpointError(RuntimeError):
@@ -98,12 +98,18 @@ def peers(what: str, op: str, rank: int, pg=None):
     except BaseException as e:
         if not _is_comm_failure(e):
             raise
-        text = str(e).strip()[:300]
+        failed = failures.explain(e, f"{op}'s collectives")
+        if failed is not None:  # another rank's exception: raise that
+            raise failed from e
+        text, differ = str(e).strip()[:300], failures.calls_differ(
+            f"{op}'s collectives", wait=1.5 if "time" in str(e).lower() else 0.2)
         if "time" not in text.lower():
             raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "
-                                  f"or left the process group). Backend said: {text}") from e
+                                  f"or left the process group).{differ} Backend said: {text}"
+                                  ) from e
         t = _timeout(pg)
         raise CollectiveTimeout(
             f"{what} failed on rank {rank}: another rank did not answer within the process "
             f"group's timeout ({'%g s' % t if t else 'torch default'}; make_mesh(timeout=...)): "
-            f"it is stuck, died, or did not call {op}. Backend said: {text}") from e
+            f"it is stuck, died, or did not call {op}."
+            f"{differ} Backend said: {text}") from e

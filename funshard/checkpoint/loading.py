@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
+from ..comm import failures
 from .. import pytree
 from ..layout import as_dtensor
 from .._ranks import _rank, _world
@@ -30,6 +31,7 @@ from .errors import CheckpointError, _cause, _describe, _is_comm_failure, peers
 SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
 
 
+@failures.counted("checkpoint.load")
 def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> Tree:
     """Read a checkpoint written by :func:`save` into a new tree placed like ``like``.
 

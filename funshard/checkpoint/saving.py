@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
+from ..comm import failures
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _timeout, _world
 from ..state_dict import Tree, state_dict
 from .atomic import FORMAT, _commit, _crc32, _recover, _write_marker
@@ -41,6 +42,7 @@ def _mesh_info(sd: dict[str, Any]) -> list | None:
     return None
 
 
+@failures.counted("checkpoint.save")
 def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
          keep: int | None = None) -> str | Future:
     """Write ``state`` as a checkpoint directory: every rank its own shards, atomically.

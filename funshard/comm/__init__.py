@@ -1,8 +1,10 @@
 """How bytes move: bucketed all-gathers and gradient reductions over a funshard mesh, on an
 explicitly chosen transport (see :mod:`funshard.comm.base`)."""
 
+from . import failures
 from .base import TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce, watch
 from .gather import all_gather, check_transport, choose
+from .failures import RankFailed
 from .p2p import is_direct_message
 from .reduce import GradBucket, Reducing, reduce_scatter
 
@@ -10,12 +12,14 @@ __all__ = [
     "TRANSPORTS",
     "CollectiveTimeout",
     "Gathered",
+    "RankFailed",
     "GradBucket",
     "Reducing",
     "Transport",
     "all_gather",
     "announce",
     "check_transport",
+    "failures",
     "choose",
     "is_direct_message",
     "reduce_scatter",

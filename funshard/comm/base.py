@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
 from ..mesh import mesh_str
+from . import failures
+from .failures import RankFailed
 
 TRANSPORTS = ("auto", "c10d", "p2p")
 
@@ -31,20 +33,32 @@ class CollectiveTimeout(TimeoutError):
 
 @contextlib.contextmanager
 def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
-    """Turn a backend's timeout into a :class:`CollectiveTimeout` that says what to do."""
+    """Turn a backend's failure into an error that says what happened: :class:`RankFailed`
+    when another rank's exception caused it (see :mod:`funshard.comm.failures`), else a
+    :class:`CollectiveTimeout` or a lost peer that says what to do."""
     try:
         yield
     except RuntimeError as e:
-        text = str(e)
-        if "timed out" not in text.lower() and "timeout" not in text.lower():
+        if isinstance(e, (RankFailed, failures.PeerLost, CollectiveTimeout)) or not failures.is_comm_failure(e):
             raise
         where = kind + (f" on mesh dimension {dim!r}" if dim else "") + (
             f" of {mesh_str(mesh)}" if mesh is not None else "")
+        failed = failures.explain(e, where)
+        if failed is not None:
+            raise failed from e
+        text, differ = str(e), failures.calls_differ(
+            where, wait=1.5 if "time" in str(e).lower() else 0.2)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise failures.PeerLost(
+                f"funshard: {where} failed on rank {dist.get_rank()}: another rank is gone (its "
+                "process ended or closed the connection) without reporting an error through "
+                f"funshard; see that rank's output.{differ} Backend said: "
+                + text.strip()[:300]) from e
         raise CollectiveTimeout(
             f"funshard: {where} did not complete in time on rank {dist.get_rank()}: another "
             "rank is stuck, died, or issued a different collective (every rank must run the "
             "same ops on the same groups in the same order). The limit is make_mesh(timeout=...)."
-            f" Backend said: {text.strip()[:300]}"
+            f"{differ} Backend said: {text.strip()[:300]}"
         ) from e
 
 

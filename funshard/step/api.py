@@ -327,16 +327,23 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         return cache[key]
 
     def init(params: Tree, buffers: Tree = None) -> TrainState:
-        groups = groups_for(params)
-        if buffers is not None:
-            buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
-        bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
-        agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
-                    where="train_step.init",
-                    buffers=[(pytree.fqn(p), b._local_tensor) for p, b in zip(bpaths, bleaves)])
-        return donations.remember(TrainState(params, optimizer.init(params), 0, buffers))
+        with comm.failures.call("train_step.init"):
+            groups = groups_for(params)
+            if buffers is not None:
+                buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
+            bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
+            agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
+                        where="train_step.init",
+                        buffers=[(pytree.fqn(p), b._local_tensor)
+                                 for p, b in zip(bpaths, bleaves)])
+            return donations.remember(TrainState(params, optimizer.init(params), 0, buffers))
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        # counted and, on an exception, posted for the other ranks (comm.failures)
+        with comm.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
+            return _apply(state, batch)
+
+    def _apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if torch.is_inference_mode_enabled():
             raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                                "gradient can be computed; call it outside.")
