@@ -15,7 +15,7 @@ from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import EvalStep, Policy, TrainState, TrainStep, eval_step, list_groups, train_step
+from .step import EvalStep, Policy, call, TrainState, TrainStep, eval_step, list_groups, train_step
 
 __all__ = [
     "__version__",
@@ -25,6 +25,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "buffers",
+    "call",
     "checkpoint",
     "comm",
     "eval_step",

@@ -6,11 +6,13 @@
   with ``fs.plan``); :mod:`.params`: a tree's leaves in communication groups;
 - :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
 - :mod:`.lazy`: the parameter stand-in; :mod:`.saved`: autograd's saved parameters;
+- :mod:`.call`: fs.call, functional_call whose parameters last until backward ends;
 - :mod:`.buffers`: buffers in the state and their cross-rank rules;
 - :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver.
 """
 
 from .api import Policy, TrainState, TrainStep, train_step
+from .call import call
 from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
 from .params import ParamGroups
@@ -32,6 +34,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "block_groups",
+    "call",
     "default_group",
     "eval_step",
     "group_names",

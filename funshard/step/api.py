@@ -196,13 +196,14 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             tree = (tree, bufs)
         try:
             # a training step computes gradients, under torch.no_grad() too
-            with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack):
+            with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack), \
+                    run.running():
                 loss, aux = _loss_of(loss_fn(tree, mb))
-            run.end_forward()
             _check_differentiable(loss)
-            lazy.refuse_recomputing(run, loss)
+            run.checkpointing = lazy.checkpointed(run, loss)
+            run.end_forward()
             with torch.enable_grad():
-                (loss / k).backward()
+                lazy.backward(run, loss / k)
         finally:
             run.finish()
         loss_sum += loss.detach().double()

@@ -101,6 +101,7 @@ class Group:
         self.stands: list | None = None
         self.lazies: list | None = None
         self.bound_version: list[int] = [0] * len(self.idx)
+        self.ended = False  # backward is done with it (its gradients are complete)
 
     @property
     def name(self) -> str:
@@ -218,7 +219,6 @@ class Group:
         self._hold(self.to_regather)
         self.to_regather = []
         self.move(S.GATHERED)
-        self.bind_all()
 
     def finish_gather(self) -> None:
         """Finish a gather still in flight (it writes into the group's storages): its

@@ -24,10 +24,41 @@ ops (a 50-step recurrence over two weights) the step took 2.29-2.30x the plain s
 1.78-1.87x (the rest is the step's per-group work, not per op). And only binding gives
 custom Functions, compiled code and recomputation a plain tensor.
 
-Limits: a custom autograd Function that is the *first* to touch a group receives the
-stand-in itself (``Function.apply`` is not a torch function); its forward runs under
-no-grad, which the first-use check refuses by name. Give it a parameter whose group an
-earlier op has used, or use the parameter through plain torch ops first.
+Limits: a custom autograd Function that is the *first* to touch a trainable parameter
+receives the stand-in itself (``Function.apply`` is not a torch function), and autograd
+captures it as a leaf of its own; that is refused by name (its forward runs under no_grad,
+or it saves the stand-in). Give it a parameter whose group an earlier op has used, or use
+the parameter through plain torch ops first. A frozen one is fine.
+
+[Note: recomputation]
+
+Activation checkpointing recomputes a region's forward in backward. Three things make
+that train as one process would, with no extra all-gather:
+
+- *What the recompute reads.* A region that reads ``loss_fn``'s params (a closure, or its
+  inputs) reads the stand-ins. A module called through ``torch.func.functional_call`` has
+  its own weights back by then; ``fs.call`` (:mod:`.call`) keeps the stand-ins installed
+  until the micro-batch's backward ends. A recompute that reads a module's own
+  ``nn.Parameter`` anyway is refused by :class:`RecomputeGuard`, a torch function mode over
+  backward, only when the forward checkpointed (:func:`checkpointed`).
+- *Seeing it.* In backward the stand-ins are never bound (:meth:`Run.end_forward` unbinds
+  the ones still bound after a checkpointing forward), so every recomputed op that touches
+  a parameter comes through ``__torch_function__`` (:func:`_recomputed`): the group is made
+  resident as backward needs it anyway (FULL_SHARD: its one backward gather; the recompute
+  happens when backward reaches the region, where the group is due).
+- *Owning what it saves.* The recompute's saved tensors are not seen by the step's hooks
+  (the checkpoint's own are on top), so the group could free (resize to 0) storage they
+  alias. :meth:`Run.recompute_leaf` hands the recompute the gathered leaf and makes the group
+  let go of it (``release_leaf``): the storage then lives exactly as long as the saved
+  tensors. Regions over two groups crashed without this (tests/test_ac.py, two blocks).
+  A region's input that is a parameter is handed over the same way when unpacked.
+
+Reentrant regions (``use_reentrant=True``) run forward under no_grad (the first use there
+enters the group under grad mode) and backward through a nested graph that reaches the
+group's Tap and Gather: right when the group lives inside the region (a block), refused by
+name (:func:`ended_twice`) when it is also used outside, whose gradients would come after
+the group's hand-off. Selective checkpointing's dispatch modes do not see the step's own
+gather and binding (:func:`_own_ops`).
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
 the group's gradients to the run; each trainable leaf then passes :class:`Tap`, whose
@@ -37,10 +68,14 @@ in :mod:`funshard.step.group`.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch as _dispatch
+import torch.utils.checkpoint as _ckpt
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -139,15 +174,19 @@ def _first_use(func, args: tuple, kwargs: dict):
             "Inside the step a parameter exists only while loss_fn runs; outside it, use the "
             "returned state (fs.unshard(state.params))."
         )
-    if not run.backward and func is not torch.Tensor.detach:
-        _refuse_unsupported(run, lazies)
+    if run.backward:  # a forward recomputed in backward: see [Note: recomputation]
+        return _recomputed(run, func, args, kwargs, lazies)
+    grad = False
+    if func is not torch.Tensor.detach:
+        grad = _refuse_unsupported(run, lazies)
     if func is F.batch_norm:
         _refuse_running_stats(args, kwargs)
     gis = [x._gi for x in lazies]
-    path = _path(lazies[0])  # before binding turns it into a plain tensor
+    path = path_of(lazies[0])  # before binding turns it into a plain tensor
     _scan(run, args, [], gis)  # bound leaves this op also reads
     _scan(run, kwargs.values(), [], gis)
-    run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
+    with _own_ops(grad):
+        run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
     if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
         args = _substitute(run, args)
         kwargs = dict(zip(kwargs, _substitute(run, kwargs.values())))
@@ -159,51 +198,119 @@ def _first_use(func, args: tuple, kwargs: dict):
         raise
 
 
-def _path(x) -> str:
+def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
+    """An op of a forward that backward recomputes touches stand-ins: it gets the gathered
+    leaves, which the recompute then owns (:meth:`Run.recompute_leaf`)."""
+    with _own_ops(False), torch.no_grad():  # the step's own work is not recomputed
+        run.use([x._gi for x in lazies], new_op=True)
+        args = _substitute(run, args, recompute=True)
+        kwargs = dict(zip(kwargs, _substitute(run, kwargs.values(), recompute=True)))
+    return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _own_ops(grad: bool):
+    """The step's gather and binding, kept out of a selective-checkpointing region's op
+    cache (its dispatch modes would record or replay them), with grad on where the op runs
+    under no_grad (a group's first gather enters autograd)."""
+    with contextlib.ExitStack() as stack:
+        if any(type(m).__name__ in _SAC_MODES for m in _dispatch_stack()):
+            stack.enter_context(_without_sac())
+        if grad:
+            stack.enter_context(torch.enable_grad())
+        yield
+
+
+@contextlib.contextmanager
+def _without_sac():
+    """The dispatch mode stack without selective checkpointing's modes (others, such as a
+    collective counter, still see the step's work)."""
+    modes = _dispatch_stack()
+    low = min(i for i, m in enumerate(modes) if type(m).__name__ in _SAC_MODES)
+    popped = [_dispatch._pop_mode() for _ in range(len(modes) - low)]  # top first
+    kept = [m for m in reversed(popped) if type(m).__name__ not in _SAC_MODES]
+    for m in kept:
+        _dispatch._push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _dispatch._pop_mode()
+        for m in reversed(popped):
+            _dispatch._push_mode(m)
+
+
+def path_of(x) -> str:
     return x._run.params.layouts[x._run.params.members[x._gi][x._k]].path
+
 
 
 # torch's stack of saved-tensor hooks (private; present in every supported torch)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+# torch.utils.checkpoint's pieces the step recognizes (private; feature-detected): the
+# non-reentrant region's hooks, the reentrant region's forward, selective checkpointing's
+# dispatch modes
+_REENTRANT_FORWARD = getattr(getattr(getattr(_ckpt, "CheckpointFunction", None), "forward",
+                                     None), "__code__", None)
+_SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
+_dispatch_stack = getattr(_dispatch, "_get_current_dispatch_mode_stack", list)
 
 
-def _refuse_unsupported(run, lazies: list[LazyParam]) -> None:
-    """What the stand-in cannot make correct yet is refused by name, not trained wrong:
-    activation checkpointing inside ``loss_fn`` (its recompute in backward would run the
-    module's own, stale weights and give the parameters no gradient)."""
+def _is_checkpoint_hook(pack) -> bool:
+    return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+def _in_reentrant_forward() -> bool:
+    """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward (its
+    frame is on the stack; walked only on a first use under no_grad)."""
+    f = sys._getframe(2)
+    while f is not None and _REENTRANT_FORWARD is not None:
+        if f.f_code is _REENTRANT_FORWARD:
+            return True
+        f = f.f_back
+    return False
+
+
+def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
+    """A first use the step cannot follow is refused by name, not trained wrong: under
+    saved-tensor hooks other than the step's and activation checkpointing's (they would
+    keep gathered storage the step frees), or under no_grad outside a reentrant checkpoint
+    region (a custom autograd Function's forward: the parameter would bypass the step's
+    gradient reduction). Returns whether the group must enter autograd under grad mode
+    (the op runs under no_grad: a reentrant checkpoint region's forward, or a frozen leaf)."""
     hooks = _top_hooks(False) if _top_hooks is not None else None
     if hooks is not None and getattr(hooks[0], "__self__", None) is not run.saved:
-        what = "saved-tensor hooks other than the step's (torch.utils.checkpoint with "
-        what += "use_reentrant=False, selective checkpointing, or saved_tensors_hooks)"
-    elif not torch.is_grad_enabled() and any(x.requires_grad for x in lazies):
-        what = ("torch.no_grad() (as torch.utils.checkpoint with use_reentrant=True, "
-                "gradient_checkpointing_enable() and a custom torch.autograd.Function's "
-                "forward run)")
+        if _is_checkpoint_hook(hooks[0]):
+            run.checkpointing = True
+            return False
+        what = ("saved-tensor hooks other than the step's and activation checkpointing's "
+                "(torch.autograd.graph.saved_tensors_hooks, save_on_cpu)")
+    elif not torch.is_grad_enabled():
+        # the group enters autograd with grad on all the same (its other leaves may train)
+        if not any(x.requires_grad for x in lazies):
+            return True
+        if _in_reentrant_forward():
+            run.checkpointing = True
+            return True
+        what = "torch.no_grad() (as a custom torch.autograd.Function's forward runs)"
     else:
-        return
+        return False
     raise NotImplementedError(
-        f"train_step: parameter {_path(lazies[0])!r} was used under {what}. Activation "
-        "checkpointing inside loss_fn is not supported yet: its recompute in backward would "
-        "read the module's own weights, not the step's, and train wrong; a custom autograd "
-        "Function would take the parameter past the step's gradient reduction. Turn "
-        "checkpointing off (e.g. model.gradient_checkpointing_disable()); to use a parameter "
-        "without its gradient, use p.detach()."
+        f"train_step: parameter {path_of(lazies[0])!r} was first used under {what}, where the "
+        "step cannot follow it: a custom autograd Function would take the parameter past the "
+        "step's gradient reduction, and other saved-tensor hooks would keep gathered storage "
+        "the step frees. Use the parameter through a plain torch op first (a Function then "
+        "receives a plain tensor), or p.detach() to use it without its gradient."
     )
 
 
-def refuse_recomputing(run, loss: torch.Tensor) -> None:
-    """Activation checkpointing ran a region whose parameters were already bound (so the
-    first-use check did not see it); its recompute in backward would read the module's own
-    weights. A non-reentrant region saved its inputs through the step's hooks
-    (``run.saved.checkpointed``); a reentrant one left its node in the graph (about 0.3 ms to
-    find in a graph of 500 nodes, once per micro-batch)."""
-    if run.saved.checkpointed:
-        raise NotImplementedError(
-            "train_step: loss_fn used torch.utils.checkpoint with use_reentrant=False (or "
-            "selective checkpointing) on parameters already gathered: inside its region the "
-            "step cannot see them, and its recompute in backward would read the module's own "
-            "weights, not the step's, and train wrong. Activation checkpointing inside loss_fn "
-            "is not supported yet: turn it off (e.g. model.gradient_checkpointing_disable()).")
+def checkpointed(run, loss: torch.Tensor) -> bool:
+    """Whether activation checkpointing ran in this forward. A non-reentrant region saved
+    its inputs through the step's hooks (``run.saved.checkpointed``) or met a stand-in; a
+    reentrant one left its node in the graph (about 0.3 ms to find in a graph of 500
+    nodes, once per micro-batch)."""
+    if run.checkpointing or run.saved.checkpointed:
+        return True
     seen, todo = set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
@@ -211,26 +318,76 @@ def refuse_recomputing(run, loss: torch.Tensor) -> None:
             continue
         seen.add(fn)
         if type(fn).__name__ == "CheckpointFunctionBackward":
-            raise NotImplementedError(
-                "train_step: loss_fn used torch.utils.checkpoint with use_reentrant=True (as "
-                "gradient_checkpointing_enable() does); its recompute in backward would read "
-                "the module's own weights, not the step's, and train wrong. Activation "
-                "checkpointing inside loss_fn is not supported yet: turn it off (e.g. "
-                "model.gradient_checkpointing_disable())."
-            )
+            return True
         todo.extend(f for f, _ in fn.next_functions)
+    return False
 
 
-def _substitute(run, values) -> list:
-    """``values`` with each unbound stand-in replaced by its group's full tensor."""
+# the autograd engine's entry (private; in every supported torch): a torch function mode
+# sees loss.backward() itself, and is off inside its own handler
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def backward(run, loss: torch.Tensor) -> None:
+    """``loss.backward()``; after checkpointing, under :class:`RecomputeGuard`."""
+    if not run.checkpointing or _run_backward is None:
+        loss.backward()
+        return
+    ones = torch.ones_like(loss)
+    with RecomputeGuard(run):
+        _run_backward((loss,), (ones,), False, False, (), allow_unreachable=True,
+                      accumulate_grad=True)
+
+
+class RecomputeGuard(torch.overrides.TorchFunctionMode):
+    """Backward of a micro-batch that checkpointed: a recomputed forward that reads a
+    module's own ``nn.Parameter`` (one ``fs.call`` did not leave in place) reads the
+    module's weights, not the step's: refused by name."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.nn.Parameter) and id(x) not in self.run.own_params:
+                raise NotImplementedError(
+                    "train_step: activation checkpointing recomputed a forward that read a "
+                    f"module's own parameter (shape {tuple(x.shape)}, {x.dtype}) in "
+                    f"{getattr(func, '__name__', func)}, not the step's: "
+                    "torch.func.functional_call put the module's weights back when loss_fn "
+                    "returned, before backward recomputes, so the recompute would train on "
+                    "stale weights. Call the module with fs.call(model, params, *args) (it "
+                    "keeps the step's parameters in the module until backward ends), or turn "
+                    "checkpointing off (e.g. model.gradient_checkpointing_disable()).")
+        return func(*args, **kwargs)
+
+
+def _substitute(run, values, recompute: bool = False) -> list:
+    """``values`` with each unbound stand-in replaced by its group's full tensor (for a
+    recompute: :meth:`Run.recompute_leaf`)."""
     out = []
     for x in values:
         if isinstance(x, LazyParam):
-            x = run.groups[x._gi].fulls[x._k]
+            x = (run.recompute_leaf(x._gi, x._k) if recompute
+                 else run.groups[x._gi].fulls[x._k])
         elif isinstance(x, (list, tuple)):
-            x = type(x)(_substitute(run, x))
+            x = type(x)(_substitute(run, x, recompute))
         out.append(x)
     return out
+
+
+def ended_twice(group) -> NotImplementedError:
+    """Backward reached a group it had finished: a reentrant checkpoint region's own backward
+    (torch.utils.checkpoint with use_reentrant=True) completed the group's gradients while
+    the rest of the graph still used it."""
+    return NotImplementedError(
+        f"train_step: group {group.name!r} is used both inside and outside a "
+        "torch.utils.checkpoint(use_reentrant=True) region: the region's own backward "
+        "finished the group's gradients before the rest of backward reached it, so the rest "
+        "would be lost. Use use_reentrant=False, or groups that keep the region's parameters "
+        "apart (fs.Policy(groups=...); fs.list_groups shows them).")
 
 
 def in_place_error(path: str, func) -> RuntimeError:
@@ -251,7 +408,7 @@ def _refuse_running_stats(args: tuple, kwargs: dict) -> None:
              if isinstance(x, LazyParam)]
     if stats and bound.get("training", False):
         raise NotImplementedError(
-            f"train_step: {_path(stats[0])!r} is a BatchNorm running statistic in the tree "
+            f"train_step: {path_of(stats[0])!r} is a BatchNorm running statistic in the tree "
             "given to fs.shard; batch_norm updates it in place in training, and inside the "
             "step it is a gathered copy, so the update would be lost. Give buffers to "
             "step.init(fs.shard(fs.params(model), mesh), fs.buffers(model)): loss_fn then "
@@ -285,6 +442,8 @@ class Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.group.ended:
+            raise ended_twice(ctx.group)
         if grad is not None:
             ctx.run.grads.put(ctx.group, ctx.k, grad)
         return None, None, None, None

@@ -8,6 +8,11 @@ backward is done with it. Group states change only through :class:`Group`'s meth
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
+import torch
+
 from . import lazy
 from .grads import Reductions
 from .group import Group, S
@@ -16,8 +21,16 @@ from .saved import SavedParams
 from .schedule import make_schedule
 
 
+# the run whose loss_fn is executing (fs.call installs parameters into it; see .call)
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("funshard_run", default=None)
+
+
 class Run:
     """State of one micro-batch: its groups, the order it met them, its reductions."""
+
+    @staticmethod
+    def current() -> "Run | None":
+        return _CURRENT.get()
 
     def __init__(self, params: ParamGroups, shards: list, policy, buckets: dict,
                  accumulating: bool, sync: bool, record: bool):
@@ -36,6 +49,11 @@ class Run:
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
         self.stand_group: dict[int, int] = {}  # id of a stand-in object -> its group
+        # activation checkpointing (see [Note: recomputation] in .lazy)
+        self.checkpointing = False  # a checkpoint region ran in forward
+        self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
+        self.installed: list = []  # fs.call's installations, undone when the run finishes
+        self.own_params: set[int] = set()  # module parameters fs.call left in place
 
     def bound_group(self, x) -> int | None:
         """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
@@ -95,8 +113,9 @@ class Run:
                 self.gather(group)
             if not self.backward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
-        for group in entered:
-            group.bind_all()
+        if not self.backward:  # in backward stand-ins stay unbound: a recompute is seen
+            for group in entered:
+                group.bind_all()
 
     def _note_seen(self, gi: int) -> None:
         seen, order = self.seen[self.backward], self.order(self.backward)
@@ -139,6 +158,9 @@ class Run:
         # group's whole backward to complete): its reduce-scatter is finished (freeing its
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
+        if group.ended:
+            raise lazy.ended_twice(group)
+        group.ended = True
         group.free()
         self.grads.wait(keep_newest=1)
         self.prefetch_after(group)  # if unpacking did not already
@@ -150,8 +172,42 @@ class Run:
         if self.sync and pos:
             self.grads.launch(group)
 
+    @contextlib.contextmanager
+    def running(self):
+        """This run is :meth:`current` while ``loss_fn`` runs."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
+
+    def recompute_leaf(self, gi: int, k: int) -> torch.Tensor:
+        """Leaf ``k`` of group ``gi`` for a forward recomputed in backward (activation
+        checkpointing): the group's gathered tensor, which the group then lets go of, so
+        that the recompute's saved tensors own its storage and no free resizes it under
+        them. One tensor per leaf per recomputing node."""
+        node = torch._C._current_autograd_node()
+        if self.recompute[0] is not node:
+            self.recompute = (node, {})
+        got = self.recompute[1]
+        t = got.get((gi, k))
+        if t is None:
+            group = self.groups[gi]
+            if group.fulls[k] is None:  # an earlier recompute took it: gather again
+                group.free()
+                self.use([gi], new_op=False)
+            elif k in group.to_regather:
+                group.regather()
+            t = got[(gi, k)] = group.fulls[k]
+            group.release_leaf(k)
+        return t
+
     def end_forward(self) -> None:
         self.backward = True
+        if self.checkpointing:  # unbind, so a recompute's use of a parameter is seen
+            for g in self.groups:
+                if g.resident and g.state is not S.ALIASED:
+                    g.unbind_all()
         # Ops on bound leaves are not seen: ``active`` holds the groups of forward's last op
         # that gathered (with FULL_SHARD, the groups still bound). Backward's first node
         # frees nothing as "the previous op's".
@@ -167,6 +223,8 @@ class Run:
             self.groups[kept].free_leaves(list(late))
 
     def finish(self) -> None:
+        while self.installed:  # fs.call's installations, last first
+            self.installed.pop().close()
         self.grads.wait()
         self.saved.prefetch_when_done = None
         for g in self.groups:

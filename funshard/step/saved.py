@@ -16,7 +16,9 @@ import sys
 import torch
 import torch.utils.checkpoint as _ckpt
 
+from . import lazy
 from .group import S
+from .lazy import LazyParam
 
 # Where non-reentrant torch.utils.checkpoint saves a region's inputs, through the saved-tensor
 # hooks on top (the step's) just before it pushes its own: torch 2.13 in
@@ -53,8 +55,11 @@ class SavedParams:
         self.checkpointed = False  # a non-reentrant checkpoint region began in forward
 
     def pack(self, t: torch.Tensor):
-        if _entering_checkpoint():  # refused when forward ends (see lazy.refuse_recomputing)
+        entering = _entering_checkpoint()
+        if entering:  # see lazy.checkpointed
             self.checkpointed = True
+        if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
+            return self._pack_stand_in(t, entering)
         try:
             hit = self.run.storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
@@ -65,7 +70,26 @@ class SavedParams:
         group.saved[k] += 1
         # a separate tensor on the same storage: autograd never holds a bound stand-in's own
         # tensor, so the stand-in can always be unbound (see [Note: binding] in .lazy)
-        return (group.gi, k, t.detach())
+        # (a checkpoint region's input is handed to its recompute: see Run.recompute_leaf)
+        return (group.gi, k, t.detach(), entering)
+
+    def _pack_stand_in(self, t, entering: bool):
+        """A checkpoint region's input (non-reentrant) is handed to its recompute as the
+        gathered leaf, and so is a frozen leaf a custom Function saved. Anything else that
+        saves a trainable stand-in itself (a custom Function, a reentrant checkpoint region)
+        captured the parameter as an autograd leaf of its own: its gradient would bypass the
+        step's reduction. Refused by name."""
+        if not entering and t.requires_grad:
+            raise NotImplementedError(
+                f"train_step: parameter {lazy.path_of(t)!r} was saved by a "
+                "torch.autograd.Function (a custom Function, or torch.utils.checkpoint with "
+                "use_reentrant=True) before any op used it, so autograd holds the parameter "
+                "itself and its gradient would bypass the step. Use it through a torch op "
+                "first (e.g. read it inside the region, not as its input), or use "
+                "use_reentrant=False.")
+        group = self.run.groups[t._gi]
+        group.saved[t._k] += 1
+        return (t._gi, t._k, None, entering)
 
     def unpack(self, packed):
         run = self.run
@@ -78,15 +102,19 @@ class SavedParams:
             run.prefetch_after(g)
         if not isinstance(packed, tuple):
             return packed
-        gi, k, t = packed
+        gi, k, t, into_recompute = packed
         group = run.groups[gi]
         if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             run.use([gi], new_op=node is None or node is not self.node)
             if k in group.to_regather:
                 group.regather()
         self.node = node
+        if t is None:  # a stand-in saved as it was (_pack_stand_in): its gathered leaf
+            t = run.recompute_leaf(gi, k) if run.backward else group.fulls[k]
         if run.backward:
             self._consumed(group, k, node)
+            if into_recompute:  # the recompute's saved tensors own the storage from now on
+                group.release_leaf(k)
         return t
 
     def _consumed(self, group, k: int, node) -> None:

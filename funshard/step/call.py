@@ -1,0 +1,62 @@
+"""``fs.call(module, params, *args)``: ``torch.func.functional_call`` for a training step,
+whose parameters stay in the module until backward is done.
+
+Inside ``train_step`` a module called through ``torch.func.functional_call`` gets its own
+weights back the moment the call returns. Backward never reads them, except where activation
+checkpointing recomputes a forward: then the recompute would run on the module's own (stale)
+weights. ``fs.call`` installs the step's parameters (and buffers) the same way and undoes the
+installation when the micro-batch's backward has finished, so a recompute runs on the step's
+parameters: the model's own checkpointing (``torch.utils.checkpoint`` either way, Hugging
+Face ``gradient_checkpointing_enable()``, selective checkpointing) trains as one process
+would. Outside a step it is ``torch.func.functional_call``. A step whose recompute reads a
+module's own parameter is refused by name (:class:`funshard.step.lazy.RecomputeGuard`).
+
+    >>> loss_fn = lambda p, b: F.cross_entropy(fs.call(model, p, b[0]), b[1])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module  # private; in every supported torch
+
+from .run import Run
+
+
+def _merged(params: Any) -> dict:
+    """A dict of tensors, or a tuple of them (params, buffers) without repeated keys, as
+    ``torch.func.functional_call`` takes them."""
+    if isinstance(params, dict):
+        return params
+    if isinstance(params, (tuple, list)) and all(isinstance(d, dict) for d in params):
+        out: dict = {}
+        for d in params:
+            for key in d:
+                if key in out:
+                    raise ValueError(f"fs.call: {key!r} appears in more than one dict")
+            out.update(d)
+        return out
+    raise TypeError(f"fs.call: params must be a dict of tensors or a tuple of such dicts, got "
+                    f"{type(params).__name__}")
+
+
+def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with ``params`` (a dict ``{fqn: tensor}``, or a tuple of
+    dicts such as ``(params, buffers)``) in place of its own parameters and buffers.
+
+    Inside ``train_step``'s ``loss_fn`` they stay installed until the micro-batch's backward
+    has finished (activation checkpointing recomputes with them); elsewhere this is
+    ``torch.func.functional_call(module, params, args, kwargs)``. Tied weights stay tied;
+    parameters ``params`` does not name stay the module's own.
+    """
+    run = Run.current()
+    if run is None or run.backward:
+        return torch.func.functional_call(module, params, args, kwargs)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_reparametrize_module(module, _merged(params), tie_weights=True))
+    run.installed.append(stack)  # undone by Run.finish, after backward
+    run.own_params.update(id(p) for p in module.parameters()
+                          if isinstance(p, torch.nn.Parameter))
+    return module(*args, **kwargs)

@@ -1,0 +1,203 @@
+"""Activation checkpointing inside loss_fn: the model's own (torch.utils.checkpoint either
+way, Hugging Face gradient_checkpointing_enable(), parameters as checkpoint inputs,
+selective checkpointing) trains as one process would; what the step cannot make correct
+(a recompute that reads the module's own weights) is refused by name."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import funshard as fs
+from funshard.testing import CountCollectives, capture, mesh
+from funshard.testing.models import GPT
+
+
+class CkptGPT(GPT):
+    """The test GPT with each block under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool, sac: bool = False, per: int = 1, **kw):
+        super().__init__(**kw)
+        self.reentrant, self.sac, self.per = reentrant, sac, per
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        blocks = [torch.nn.Sequential(*self.layers[i:i + self.per])
+                  for i in range(0, len(self.layers), self.per)]
+        for block in blocks:
+            extra = {}
+            if self.sac:
+                from torch.utils.checkpoint import (CheckpointPolicy,
+                                                    create_selective_checkpoint_contexts)
+
+                def policy(ctx, op, *args, **kwargs):
+                    return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default
+                            else CheckpointPolicy.PREFER_RECOMPUTE)
+                extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                        policy)
+            x = checkpoint(block, x, use_reentrant=self.reentrant, **extra)
+        return self.head(self.ln_f(x))
+
+
+def _llama(reentrant):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=36, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    return model
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind.startswith("llama"):
+        return _llama(kind.endswith("reentrant") and not kind.endswith("non_reentrant"))
+    model = CkptGPT(reentrant=kind == "gpt_reentrant", sac=kind == "gpt_sac", vocab=64,
+                    per=2 if kind == "gpt_two_blocks" else 1,
+                    dim=16, heads=2, layers=3, seq=8)
+    if kind == "gpt_frozen_first":
+        # the first leaves of each block frozen: backward is done with the block's trainable
+        # leaves (and frees the group) before the node that reads the frozen ones has run
+        for b in model.layers:
+            b.ln1.requires_grad_(False)
+            b.qkv.requires_grad_(False)
+    return model
+
+
+def _forward(kind, model, params, ids, call):
+    if kind.startswith("llama"):
+        return call(model, params, input_ids=ids, labels=ids).loss
+    logits = call(model, params, ids)
+    return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def parity(spec, kind, raf, steps=2, per_rank=2):
+    """SGD on the mesh with checkpointing vs one process (same model, same checkpointing)
+    on the concatenated batch; the collectives of the last step."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    step = fs.train_step(lambda p, b: _forward(kind, model, p, b, fs.call),
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        ids = torch.randint(0, 64, (world * per_rank, 8), generator=g)
+        with CountCollectives() as cc:
+            state, _ = step(state, ids[rank * per_rank:(rank + 1) * per_rank])
+        opt.zero_grad()
+        loss = sum(_forward(kind, ref, dict(ref.named_parameters()), c,
+                            lambda mod, p, *a, **k: mod(*a, **k))
+                   for c in ids.split(per_rank)) / world
+        loss.backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return err, cc.counts.get("all_gather", 0), _plain_gathers(kind, raf, m, ids[:per_rank])
+
+
+def _plain_gathers(kind, raf, m, ids):
+    """All-gathers of the second step of the same model without checkpointing."""
+    model = _model(kind)
+    if kind.startswith("llama"):
+        model.gradient_checkpointing_disable()
+    else:
+        model.forward = functools.partial(GPT.forward, model)
+    step = fs.train_step(lambda p, b: _forward(kind, model, p, b, fs.call),
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    state, _ = step(state, ids)
+    with CountCollectives() as cc:
+        step(state, ids)
+    return cc.counts.get("all_gather", 0)
+
+
+# gpt_two_blocks: a region over two groups (the recompute gathers both)
+KINDS = ["gpt_non_reentrant", "gpt_reentrant", "gpt_sac", "gpt_frozen_first", "gpt_two_blocks",
+         "llama_non_reentrant", "llama_reentrant"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_checkpointed_model_trains_as_one_process(pools, kind, raf):
+    for rank, (err, gathers, plain) in enumerate(pools.run(2, parity, kind, raf)):
+        assert err < 1e-5, (rank, err)
+        assert gathers <= plain, (rank, gathers, plain)  # checkpointing costs no all-gather
+
+
+@pytest.mark.parametrize("kind", ["gpt_two_blocks", "llama_non_reentrant", "llama_reentrant"])
+def test_checkpointed_model_on_2x2(pools, kind):
+    for rank, (err, gathers, plain) in enumerate(pools.run("2x2", parity, kind, True)):
+        assert err < 1e-5, (rank, err)
+        assert gathers <= plain, (rank, gathers, plain)
+
+
+def bf16_same_with_and_without(spec, kind):
+    """bf16 compute: checkpointing recomputes the same bf16 values, so parameters after two
+    steps are bit-identical with it on and off."""
+    m = mesh(spec)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = []
+    for on in (True, False):
+        model = _model(kind)
+        if not on:
+            model.gradient_checkpointing_disable()
+        step = fs.train_step(lambda p, b: _forward(kind, model, p, b, fs.call),
+                             fs.optim.adamw(lr=1e-2),
+                             policy=fs.Policy(param_dtype=torch.bfloat16))
+        state = step.init(fs.shard(fs.params(model), m))
+        for _ in range(2):
+            state, _ = step(state, ids)
+        out.append(fs.unshard(state.params))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+
+
+def test_bf16_checkpointing_is_bit_identical(pools):
+    assert pools.run(2, bf16_same_with_and_without, "llama_non_reentrant") == [True, True]
+
+
+def lora_parity(spec, reentrant):
+    """peft LoRA on the Llama with Hugging Face checkpointing (the usual fine-tuning set-up):
+    the adapters train as one process would; the base stays bit-identical."""
+    from peft import LoraConfig, get_peft_model
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = get_peft_model(_llama(reentrant), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                         target_modules=["q_proj", "v_proj"]))
+    if reentrant:
+        model.enable_input_require_grads()
+    ref = copy.deepcopy(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    step = fs.train_step(lambda p, b: fs.call(model, p, input_ids=b, labels=b).loss,
+                         fs.optim.sgd(lr=0.5))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (world * 2, 8), generator=g)
+        state, _ = step(state, ids[rank * 2:(rank + 1) * 2])
+        opt.zero_grad()
+        (sum(ref(input_ids=c, labels=c).loss for c in ids.split(2)) / world).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    assert all(torch.equal(full[n], v) for n, v in frozen.items())
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_lora_with_checkpointing_trains_as_one_process(pools, reentrant):
+    for rank, err in enumerate(pools.run(2, lora_parity, reentrant)):
+        assert err < 1e-5, (rank, err)
