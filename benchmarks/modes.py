@@ -1,6 +1,7 @@
 """The benchmark's modes: one model (:mod:`benchmarks.shapes`), the same batches, and each mode's training step over a copy.
 
     funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
+    funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
     ddp                                DistributedDataParallel
@@ -30,10 +31,13 @@ from . import shapes
 MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "fsdp2_full", "fsdp2_grad_op", "fsdp2_hsdp", "ddp", "floor",
          "funshard_full_noprefetch",  # a diagnostic, not run by default
-         "funshard_full_muon")  # fs.optim.muon instead of AdamW (issue 18, shape A)
+         "funshard_full_muon",  # fs.optim.muon instead of AdamW (issue 18, shape A)
+         # activation checkpointing per block: Policy(checkpoint=True) / FSDP2 with each
+         # block in checkpoint_wrapper (non-reentrant) before fully_shard
+         "funshard_full_ac", "fsdp2_full_ac")
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
-        "funshard_full_muon": "fsdp2_full"}
+        "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +122,14 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         raf = not name.endswith("grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
         params = shard(dict(base.named_parameters()), mesh)  # local shards are copies
-        with torch.device("meta"):  # functional_call needs only the structure
+        with torch.device("meta"):  # fs.call needs only the structure
             template = shapes.model_of(cfg)
         opt = (muon(lr=cfg.lr, other=adamw(cfg.lr)) if name.endswith("muon")
                else adamw(cfg.lr))
         step = train_step(shapes.loss_of(cfg, template), opt,
                           policy=Policy(reshard_after_forward=raf,
-                                        prefetch=not name.endswith("noprefetch")))
+                                        prefetch=not name.endswith("noprefetch"),
+                                        checkpoint=name.endswith("_ac")))
         box, info = [step.init(params)], {}
 
         def run(batch):
@@ -136,6 +141,11 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
     if name.startswith("fsdp2"):
         raf = not name.endswith("grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
+        if name.endswith("_ac"):
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper)
+            for i, block in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(block)
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=raf)
         fully_shard(model, mesh=mesh, reshard_after_forward=raf)

@@ -201,3 +201,88 @@ def lora_parity(spec, reentrant):
 def test_lora_with_checkpointing_trains_as_one_process(pools, reentrant):
     for rank, err in enumerate(pools.run(2, lora_parity, reentrant)):
         assert err < 1e-5, (rank, err)
+
+
+# -- Policy(checkpoint=): the step checkpoints its groups' modules ---------------------------
+
+
+def policy_checkpoint(spec, raf, select):
+    """A plain GPT (no checkpointing of its own), long sequences: with Policy(checkpoint=)
+    the parameters equal one process; all-gathers are no more than without; the live peak in
+    the step drops (activations are recomputed, not kept)."""
+    from funshard.testing import LivePeak
+    from funshard.testing.models import gpt_loss
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (world * 2, 65), generator=g)
+    mine = ids[rank * 2:(rank + 1) * 2]
+    batch = (mine[:, :-1], mine[:, 1:])
+    got = {}
+    select = True if select == "all" else (lambda name: name == "layers.0")
+    for on in (select, False):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, dim=16, heads=2, layers=3, seq=64)
+        ref = copy.deepcopy(model)
+        step = fs.train_step(gpt_loss(model), fs.optim.sgd(lr=0.1),
+                             policy=fs.Policy(reshard_after_forward=raf, checkpoint=on))
+        state = step.init(fs.shard(fs.params(model), m))
+        state, _ = step(state, batch)  # learns the order
+        with CountCollectives() as cc, LivePeak(torch.device("cpu")) as live:
+            state, _ = step(state, batch)
+        got[bool(on)] = (cc.counts.get("all_gather", 0), live.peak)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        chunks = [(c[:, :-1], c[:, 1:]) for c in ids.split(2)]
+        (sum(gpt_loss(ref)(dict(ref.named_parameters()), c) for c in chunks) / world).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return err, got[True], got[False]
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+@pytest.mark.parametrize("select", ["all", "first"])
+def test_policy_checkpoint_costs_no_gather_and_saves_memory(pools, raf, select):
+    for rank, (err, on, off) in enumerate(pools.run(2, policy_checkpoint, raf, select)):
+        assert err < 1e-5, (rank, err)
+        assert on[0] <= off[0], (rank, "all-gathers", on, off)
+        assert on[1] < off[1], (rank, "in-step live peak", on, off)
+
+
+def policy_checkpoint_misuse(spec, what):
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=16, heads=2, layers=2, seq=8)
+
+    def functional(p, b):
+        return F.cross_entropy(torch.func.functional_call(model, p, (b,)).flatten(0, 1),
+                               b.flatten())
+
+    def through_call(p, b):
+        return F.cross_entropy(fs.call(model, p, b).flatten(0, 1), b.flatten())
+
+    select = {"functional_call": True, "not_a_module": lambda n: n == "",
+              "custom_groups": True}[what]
+    groups = (lambda f: "all") if what == "custom_groups" else None
+    step = fs.train_step(functional if what == "functional_call" else through_call,
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(checkpoint=select, groups=groups))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    t, msg = capture(lambda: step(state, torch.randint(0, 64, (2, 8))))
+    return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+
+
+MISUSE = {
+    "functional_call": "loss_fn called none. Call the model with fs.call(model, params, *args)",
+    "not_a_module": "Policy(checkpoint=...) selected group '' (the parameters outside",
+    "custom_groups": "Policy(checkpoint=True) found no group naming a submodule",
+}
+
+
+@pytest.mark.parametrize("what", list(MISUSE))
+def test_policy_checkpoint_misuse_is_refused_by_name(pools, what):
+    for t, msg, same in pools.run(2, policy_checkpoint_misuse, what):
+        assert t == "ValueError" and MISUSE[what] in msg and same, (t, msg)

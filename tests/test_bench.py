@@ -188,3 +188,19 @@ def test_bench_shapes_table(pools, label, shape):
     assert (cells[5] != "-") == (shape["kind"] == "encoder"), row
     assert f"| {label[0]} x_twin_os_peak |" in text
     json.dumps(res)
+
+
+def test_bench_checkpointing_modes(pools):
+    """Policy(checkpoint=True) against FSDP2 with checkpoint_wrapper per block, on a shape
+    whose activations outweigh its parameters: funshard's live peak drops below its own
+    without checkpointing, with no more all-gathers."""
+    modes = ("funshard_full", "funshard_full_ac", "fsdp2_full_ac")
+    shape = dict(seq=128, dim=32, batch=4)
+    timing, memory = pools.run(2, pipeline, modes, **shape)[0]
+    res = summarize(Config(**{**TINY, **shape}, modes=modes), timing, memory, overhead=None)
+    plain, ac = res["modes"]["funshard_full"], res["modes"]["funshard_full_ac"]
+    assert ac["live_peak_mb"] < plain["live_peak_mb"], (ac["live_peak_mb"], plain["live_peak_mb"])
+    assert (ac["collectives"]["all_gather"]["count"]
+            <= plain["collectives"]["all_gather"]["count"]), (ac["collectives"],
+                                                             plain["collectives"])
+    assert ac["x_twin"] > 0 and "| funshard_full_ac |" in table(res)

@@ -22,8 +22,12 @@ def fingerprint(params, policy) -> list[tuple[str, str]]:
     """``(what, value)`` pairs every rank must have alike."""
     out = [("the mesh", mesh_str(params.mesh))]
     for f in dataclasses.fields(policy):
-        if f.name != "groups":  # compared as each parameter's group below
-            out.append((f"Policy.{f.name}", repr(getattr(policy, f.name))))
+        value = getattr(policy, f.name)
+        if f.name == "groups":  # compared as each parameter's group below
+            continue
+        if f.name == "checkpoint" and callable(value):  # compared as the groups it selects
+            value = [n for n in params.names if value(n)]
+        out.append((f"Policy.{f.name}", repr(value)))
     out.append(("the number of parameters", str(len(params.layouts))))
     for i, lay in enumerate(params.layouts):
         out.append((f"parameter {lay.path!r}",

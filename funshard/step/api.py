@@ -76,6 +76,12 @@ class Policy:
         transport: how buckets move: ``"auto"`` (a direct point-to-point exchange on gloo
             CPU groups, the backend's collectives elsewhere), ``"c10d"`` or ``"p2p"`` (see
             :mod:`funshard.comm`).
+        checkpoint: activation checkpointing per group: True for every group that names a
+            submodule of the module ``loss_fn`` calls through :func:`funshard.call` (the
+            repeated blocks), or a predicate ``group name -> bool``. The group's module
+            forward runs under ``torch.utils.checkpoint`` (non-reentrant); its recompute runs
+            when backward reaches the group, which backward gathers anyway: no extra
+            all-gather. Needs ``fs.call`` in ``loss_fn``.
         buffers: how the ranks' buffers (``TrainState.buffers``) agree after each step:
             ``"mean"`` over ranks (others: rank 0's), ``"broadcast"`` rank 0's, or ``"own"``
             (each rank its own); see :mod:`funshard.step.buffers`.
@@ -91,6 +97,7 @@ class Policy:
     skip_nonfinite: bool = False
     transport: str = "auto"
     buffers: str = "mean"
+    checkpoint: Any = False
 
     def __post_init__(self):
         for name in ("reshard_after_forward", "prefetch", "skip_nonfinite"):
@@ -112,6 +119,9 @@ class Policy:
                 f"Policy: groups={self.groups!r:.60} must be None, a callable fqn -> group "
                 "name, or a prefix tree (dict / list / tuple) of group names")
         comm.check_transport(self.transport, where="Policy")
+        if not isinstance(self.checkpoint, bool) and not callable(self.checkpoint):
+            raise TypeError(f"Policy: checkpoint={self.checkpoint!r} must be True, False or a "
+                            "predicate on group names")
         if self.buffers not in buffers_.RULES:
             raise ValueError(f"Policy: buffers={self.buffers!r} must be one of "
                              f"{', '.join(map(repr, buffers_.RULES))}")
@@ -199,6 +209,12 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack), \
                     run.running():
                 loss, aux = _loss_of(loss_fn(tree, mb))
+            if policy.checkpoint and not run.installed:
+                raise ValueError(
+                    "train_step: Policy(checkpoint=...) checkpoints the modules of the groups "
+                    "it selects, which it finds in the module loss_fn calls through fs.call; "
+                    "loss_fn called none. Call the model with fs.call(model, params, *args) "
+                    "in place of torch.func.functional_call.")
             _check_differentiable(loss)
             run.checkpointing = lazy.checkpointed(run, loss)
             run.end_forward()

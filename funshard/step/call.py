@@ -17,9 +17,11 @@ module's own parameter is refused by name (:class:`funshard.step.lazy.RecomputeG
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.nn.utils.stateless import _reparametrize_module  # private; in every supported torch
 
 from .run import Run
@@ -59,4 +61,57 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     run.installed.append(stack)  # undone by Run.finish, after backward
     run.own_params.update(id(p) for p in module.parameters()
                           if isinstance(p, torch.nn.Parameter))
+    if run.policy.checkpoint:
+        _checkpoint_groups(run, module, stack)
     return module(*args, **kwargs)
+
+
+def _checkpoint_groups(run: Run, module: torch.nn.Module, stack: contextlib.ExitStack) -> None:
+    """``Policy(checkpoint=)``: the forward of each selected group's module runs under
+    non-reentrant ``torch.utils.checkpoint`` until the run finishes. Its recompute comes
+    when backward reaches the group, as backward gathers it (see [Note: recomputation] in
+    :mod:`.lazy`): no extra all-gather."""
+    select = run.policy.checkpoint
+    found = 0
+    for name in (n for n in run.params.names if select is True or select(n)):
+        if not name:  # the rest: no one module holds it
+            if select is True:
+                continue
+            raise ValueError(
+                "train_step: Policy(checkpoint=...) selected group '' (the parameters outside "
+                "the repeated blocks), which is not one module; select block groups "
+                "(fs.list_groups lists them)")
+        try:
+            sub = module.get_submodule(name)
+        except AttributeError:
+            if select is True:
+                continue  # a group that is not a module (custom groups): not selected by name
+            raise ValueError(
+                f"train_step: Policy(checkpoint=...) selected group {name!r}, which names no "
+                f"submodule of the {type(module).__name__} given to fs.call; select groups "
+                "that are modules (fs.list_groups lists them)") from None
+        found += 1
+        if getattr(sub.forward, "func", None) is _checkpointed:
+            continue  # an earlier fs.call in this run wrapped it
+        before = vars(sub).get("forward", _NONE)  # an instance forward someone else set
+        sub.forward = functools.partial(_checkpointed, sub.forward)
+        stack.callback(_restore, sub, before)
+    if not found:
+        raise ValueError(
+            f"train_step: Policy(checkpoint=True) found no group naming a submodule of the "
+            f"{type(module).__name__} given to fs.call (groups: {list(run.params.names)}); "
+            "use the default groups, groups named by module path, or a predicate.")
+
+
+_NONE = object()
+
+
+def _restore(sub: torch.nn.Module, before) -> None:
+    if before is _NONE:
+        del sub.forward
+    else:
+        sub.forward = before
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)

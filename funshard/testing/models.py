@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..step.call import call
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and a GELU MLP."""
@@ -81,7 +83,7 @@ def gpt_loss(model: nn.Module):
 
     def loss_fn(params, batch):
         idx, targets = batch
-        logits = torch.func.functional_call(model, params, (idx,))
+        logits = call(model, params, idx)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     return loss_fn
@@ -92,6 +94,6 @@ def mse_loss(model: nn.Module):
 
     def loss_fn(params, batch):
         x, y = batch
-        return F.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y)
+        return F.mse_loss(call(model, params, x).float(), y)
 
     return loss_fn
