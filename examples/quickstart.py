@@ -59,7 +59,7 @@ def main(args):
 
     def loss_fn(params, batch):  # params: {fqn: tensor} with full shapes
         x, y = batch  # (B, T) token ids
-        logits = torch.func.functional_call(model, params, (x,))  # (B, T, vocab)
+        logits = fs.call(model, params, x)  # functional_call, kept until backward ends
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # (B*T, vocab), (B*T,)
 
     step = fs.train_step(loss_fn, fs.optim.adamw(lr=3e-3, weight_decay=0.1),
