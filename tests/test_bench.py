@@ -144,7 +144,8 @@ def test_bench_phases_and_report(pools):
 def test_funshard_step_keeps_no_tensors_alive(pools):
     """Live tensors between steps stay constant (a cycle through autograd's ctx once kept each
     step's run and its reduced gradients alive)."""
-    timing, memory = pools.run(2, pipeline, ("funshard_full", "funshard_grad_op"))[0]
+    timing, memory = pools.run(2, pipeline, ("funshard_full", "funshard_grad_op",
+                                             "funshard_full_ac"))[0]
     for mode, ranks in memory.items():
         assert all(r["growth_per_step"] == 0 for r in ranks), (mode, ranks)
 

@@ -250,4 +250,5 @@ class Run:
         self.storage.clear()
         self.grads.release()
         self.saved.release()
+        self.recompute = (None, {})  # its autograd node reaches every ctx, and so this run
         self.shards = []
