@@ -14,7 +14,8 @@ from funshard.testing import mesh
 from funshard.testing.models import GPT, gpt_loss
 
 
-def compiled_parity(spec, raf, steps=3, per_rank=2):
+def compiled_parity(spec, raf, what="loss_fn", steps=3, per_rank=2):
+    """torch.compile(loss_fn), or model.compile() (the module's forward, through fs.call)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -24,8 +25,13 @@ def compiled_parity(spec, raf, steps=3, per_rank=2):
     torch.manual_seed(0)
     model = GPT(vocab=32, dim=16, heads=2, layers=3, seq=8)
     ref = copy.deepcopy(model)
-    step = fs.train_step(torch.compile(gpt_loss(model), backend="aot_eager"),
-                         fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf))
+    loss_fn = gpt_loss(model)
+    if what == "model":
+        model.compile(backend="aot_eager")
+    else:
+        loss_fn = torch.compile(loss_fn, backend="aot_eager")
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf))
     state = step.init(fs.shard(fs.params(model), m))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
@@ -99,47 +105,11 @@ def test_compiled_llama_trains_as_one_process(pools):
             err, breaks, groups)
 
 
-def compiled_model(spec, raf, steps=3, per_rank=2):
-    """model.compile() (the module's own forward compiled) called through fs.call."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    m = mesh(spec)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = GPT(vocab=32, dim=16, heads=2, layers=3, seq=8)
-    ref = copy.deepcopy(model)
-    model.compile(backend="aot_eager")
-    step = fs.train_step(gpt_loss(model), fs.optim.sgd(lr=0.1),
-                         policy=fs.Policy(reshard_after_forward=raf))
-    state = step.init(fs.shard(fs.params(model), m))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    breaks = []
-    for _ in range(steps):
-        idx = torch.randint(0, 32, (world * per_rank, 8), generator=g)
-        tgt = torch.randint(0, 32, (world * per_rank, 8), generator=g)
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        before = sum(counters["graph_break"].values())
-        state, _ = step(state, (idx[sl], tgt[sl]))
-        breaks.append(sum(counters["graph_break"].values()) - before)
-        opt.zero_grad()
-        chunks = zip(idx.split(per_rank), tgt.split(per_rank))
-        (sum(gpt_loss(ref)(dict(ref.named_parameters()), c) for c in chunks) / world).backward()
-        opt.step()
-    full = fs.unshard(state.params)
-    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    groups = len(fs.list_groups(fs.params(model)))
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    gc.collect()
-    return err, breaks, groups, graphs
-
 
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_compiled_model_trains_as_one_process(pools, raf):
-    for err, breaks, groups, graphs in pools.run(2, compiled_model, raf, timeout=300):
+    """model.compile() (the module's own forward compiled), called through fs.call."""
+    for err, breaks, groups, graphs in pools.run(2, compiled_parity, raf, "model", timeout=300):
         assert err < 1e-6, err
         assert 0 < breaks[0] <= 2 * groups and breaks[1:] == [0, 0], (breaks, groups)
         assert graphs >= 1
