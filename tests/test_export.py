@@ -83,7 +83,44 @@ def test_export_refuses_by_name(pools):
             "torch.float32") in wider
     assert "module parameter 'ln_f.bias' (16,) is not in params" in missing
     assert "params['extra.weight'] is not a parameter of the module" in extra
-    assert "buffer 'mask' (3,) is on the meta device and funshard does not carry buffers" in buffer
+    assert "buffer 'mask' (3,) is on the meta device and was not given: pass " in buffer
+
+
+def export_buffers(spec):
+    """A BatchNorm model trained with its buffers in the state: export_module(meta, state)
+    fills parameters and running statistics; the module in eval mode gives what eval_step
+    gives on the state."""
+    from torch import nn
+
+    m = mesh(spec)
+
+    def build():
+        return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+    torch.manual_seed(0)
+    model = build()
+    step = fs.train_step(lambda pb, b: torch.nn.functional.mse_loss(
+        fs.call(model, pb, b[0]), b[1]), fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m), fs.buffers(model))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        state, _ = step(state, (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)))
+    with torch.device("meta"):
+        meta = build()
+    got = fs.checkpoint.export_module(meta, state, rank0_only=False)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(9))
+    model.eval()
+    want = fs.eval_step(lambda pb, x: fs.call(model, pb, x))(state, x)
+    meta.eval()
+    stats = meta[1].running_mean
+    return (got is meta and torch.equal(meta(x), want) and stats.device.type == "cpu"
+            and torch.equal(stats, state.buffers["1.running_mean"].to_local())
+            and int(meta[1].num_batches_tracked) == 2)
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_export_carries_buffers(pools, spec):
+    assert all(pools.run(spec, export_buffers))
 
 
 def _llama(tied: bool, seed: int):

@@ -90,8 +90,9 @@ def _torch_load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def export_module(module: nn.Module, params: Tree, *, rank0_only: bool = True) -> nn.Module | None:
-    """Put a params tree's full values into ``module``'s parameters (every rank calls).
+def export_module(module: nn.Module, params: Tree, *, buffers: Tree = None,
+                  rank0_only: bool = True) -> nn.Module | None:
+    """Put a params tree's full values (and buffers) into ``module`` (every rank calls).
 
     Every parameter of ``module`` (``named_parameters()``, tied ones once, as
     :func:`funshard.params` gives them) must be in ``params`` with its shape and dtype, and
@@ -99,12 +100,16 @@ def export_module(module: nn.Module, params: Tree, *, rank0_only: bool = True) -
     is gathered. Groups are gathered one at a time to the CPU. A parameter on a real device
     is copied into (its storage, device and ties are kept); a ``meta`` parameter is swapped
     for a CPU tensor (``torch.utils.swap_tensors``: the same object, so ties and references
-    are kept), so a module built under ``torch.device("meta")`` holds one copy. Buffers are
-    not in a params tree and are left as they are; a ``meta`` buffer is refused by name.
+    are kept), so a module built under ``torch.device("meta")`` holds one copy. ``buffers``
+    (e.g. ``state.buffers``: replicated, each rank's own copy, no communication) are copied
+    into the module's buffers of those names the same way; buffers not given are left as
+    they are, and a ``meta`` one of those is refused by name.
 
     Args:
         module: the architecture the params were trained for (the training model is fine).
-        params: a tree of DTensors, e.g. ``state.params``.
+        params: a tree of DTensors, e.g. ``state.params``; or a whole ``TrainState`` (its
+            params and buffers).
+        buffers: ``{fqn: tensor}`` of module buffers, e.g. ``state.buffers``.
         rank0_only: fill the module on rank 0 only; the other ranks take part in the
             gathers and get ``None`` back (their module is not touched).
     Returns:
@@ -115,11 +120,13 @@ def export_module(module: nn.Module, params: Tree, *, rank0_only: bool = True) -
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"export_module: module must be an nn.Module, got {type(module).__name__}")
+    if hasattr(params, "_fields") and "params" in params._fields:  # a TrainState
+        params, buffers = params.params, params.buffers if buffers is None else buffers
     targets = dict(module.named_parameters())
     if not isinstance(params, dict):
         raise TypeError(f"export_module: params must be a dict {{fqn: DTensor}} such as "
                         f"state.params, got {type(params).__name__}")
-    problems = _module_problems(module, targets, params)
+    problems = _module_problems(module, targets, params, buffers or {})
     if problems:
         raise ValueError("export_module: the params tree does not fit the module; nothing was "
                          "gathered:\n  " + "\n  ".join(problems))
@@ -133,12 +140,28 @@ def export_module(module: nn.Module, params: Tree, *, rank0_only: bool = True) -
                 torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
             else:
                 p.copy_(value)
+        own = dict(module.named_buffers())
+        for name, b in (buffers or {}).items():
+            value = (b.to_local() if isinstance(b, DTensor) else b).detach()
+            if own[name].is_meta:
+                owner, _, leaf = name.rpartition(".")
+                module.get_submodule(owner)._buffers[leaf] = value.to("cpu", copy=True)
+            else:
+                own[name].copy_(value)
     return module
 
 
-def _module_problems(module: nn.Module, targets: dict, params: dict) -> list[str]:
-    """Every mismatch between the module's parameters and the tree, one line each."""
+def _module_problems(module: nn.Module, targets: dict, params: dict,
+                     buffers: dict) -> list[str]:
+    """Every mismatch between the module's parameters (and buffers) and the trees."""
     out = []
+    own = dict(module.named_buffers())
+    for name, b in buffers.items():
+        if name not in own:
+            out.append(f"buffers[{name!r}] is not a buffer of the module")
+        elif tuple(b.shape) != tuple(own[name].shape) or b.dtype != own[name].dtype:
+            out.append(f"buffers[{name!r}] is {tuple(b.shape)} {b.dtype}, the module's buffer "
+                       f"is {tuple(own[name].shape)} {own[name].dtype}")
     for name, p in targets.items():
         if name not in params:
             out.append(f"module parameter {name!r} {tuple(p.shape)} is not in params")
@@ -154,7 +177,8 @@ def _module_problems(module: nn.Module, targets: dict, params: dict) -> list[str
                        "tree (state.params)")
     out += [f"params[{k!r}] is not a parameter of the module (tied aliases appear once, under "
             "the first name)" for k in params if k not in targets]
-    out += [f"buffer {name!r} {tuple(b.shape)} is on the meta device and funshard does not "
-            "carry buffers: build the module on a real device (e.g. on rank 0 only) or "
-            "initialise its buffers first" for name, b in module.named_buffers() if b.is_meta]
+    out += [f"buffer {name!r} {tuple(b.shape)} is on the meta device and was not given: pass "
+            "buffers=state.buffers (fs.buffers at init), build the module on a real device, or "
+            "initialise its buffers first" for name, b in own.items()
+            if b.is_meta and name not in buffers]
     return out
