@@ -167,7 +167,14 @@ def measure_memory(cfg: Config, mode: str) -> list[dict]:
     with LivePeak(dev) as live:
         runner.step(data[0])
     _sync(cfg)
+    runner.evaluate(data[0])  # funshard's eval_step learns its order on the first call
+    gc.collect()
+    rest = tensor_bytes(dev)
+    with torch.no_grad(), LivePeak(dev) as ev:
+        runner.evaluate(data[0])
+    _sync(cfg)
     return _gather({"os_peak": peak, "idle": idle, "persistent": persistent,
                     "step_peak": live.peak - persistent, "live_peak": live.peak,
+                    "eval_peak": ev.peak - rest,
                     "growth_per_step": (persistent - before) / cfg.mem_steps})
 

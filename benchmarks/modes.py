@@ -22,7 +22,8 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from funshard import Policy, make_mesh, shard, train_step
+from funshard import Policy, eval_step, make_mesh, shard, train_step
+from funshard import call as fs_call
 from funshard import plan as planlib
 from funshard.optim import adamw, muon
 
@@ -114,6 +115,7 @@ def batches(cfg: Config, rank: int, n: int = 4) -> list[tuple[torch.Tensor, torc
 class Runner(NamedTuple):
     step: Callable[[tuple], None]
     info: dict  # e.g. funshard's last metrics
+    evaluate: Callable[[tuple], None] | None = None  # a forward only, no gradients
 
 
 def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> Runner:
@@ -136,7 +138,9 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
             box[0], metrics = step(box[0], batch)
             info.update(metrics)
 
-        return Runner(run, info)
+        forward = eval_step(lambda p, x: fs_call(template, p, x),
+                            policy=Policy(reshard_after_forward=raf))
+        return Runner(run, info, lambda batch: forward(box[0].params, batch[0]))
     model = copy.deepcopy(base)
     if name.startswith("fsdp2"):
         raf = not name.endswith("grad_op")
@@ -163,7 +167,11 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         opt.step()
         opt.zero_grad(set_to_none=name != "ddp")  # DDP's grads are views of its buckets
 
-    return Runner(run, {})
+    def evaluate(batch):
+        with torch.no_grad():
+            model(batch[0])
+
+    return Runner(run, {}, evaluate)
 
 
 # -- what a mode's step must at least move -------------------------------------------------

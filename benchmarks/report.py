@@ -65,6 +65,8 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None) ->
             row["step_peak_mb"] = max(r["step_peak"] for r in ranks) / 2**20
             row["live_at_step_start_mb"] = max(r["persistent"] for r in ranks) / 2**20
             row["live_growth_mb_per_step"] = max(r["growth_per_step"] for r in ranks) / 2**20
+            # a forward only (fs.eval_step; FSDP2/DDP/floor: the module under no_grad)
+            row["eval_peak_mb"] = max(r.get("eval_peak", 0) for r in ranks) / 2**20
         modes[m] = row
     for m, row in modes.items():
         twin = modes.get(TWIN.get(m, ""), {})
@@ -175,6 +177,11 @@ def table(out: dict) -> str:
     if leaks:
         text += "\n\nLive tensors grow between steps (a leak inflates the memory columns): " + \
             ", ".join(f"{m} +{v:.1f} MB/step" for m, v in leaks.items())
+    evals = {m: r["eval_peak_mb"] for m, r in out["modes"].items() if "eval_peak_mb" in r}
+    if evals:
+        text += ("\n\nForward only (fs.eval_step; the others: the module under no_grad), "
+                 "live-tensor peak over what lives between steps, MiB: " +
+                 ", ".join(f"{m} {v:.1f}" for m, v in evals.items()))
     if "world1" in out:
         w = out["world1"]
         text += (f"\n\nWorld size 1: funshard FULL_SHARD {w['funshard_full_ms']:.0f} ms vs plain "

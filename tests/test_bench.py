@@ -136,8 +136,11 @@ def test_bench_phases_and_report(pools):
     assert ours["live_peak_mb"] > ours["live_at_step_start_mb"]
     assert theirs["live_growth_mb_per_step"] == 0 and "x_twin" not in theirs
     assert res["modes"]["floor"]["collectives"] == {}
+    # a forward only holds no activations for backward and a group at a time
+    assert 0 < ours["eval_peak_mb"] < ours["step_peak_mb"], ours
     text = table(res)
     assert "| funshard_full |" in text and "| target | value | limit | met |" in text
+    assert "Forward only (fs.eval_step" in text
     json.dumps(res)
 
 
