@@ -9,7 +9,7 @@
 __version__ = "0.2.0"
 
 from . import checkpoint, comm, layout, mesh, optim, plan, pytree, step, testing
-from .comm import CollectiveTimeout
+from .comm import CollectiveTimeout, PeerLost, RankFailed
 from .mesh import make_mesh
 from .pytree import buffers, params
 from .reduce import reduce_grads
@@ -21,7 +21,9 @@ __all__ = [
     "__version__",
     "CollectiveTimeout",
     "EvalStep",
+    "PeerLost",
     "Policy",
+    "RankFailed",
     "TrainState",
     "TrainStep",
     "buffers",

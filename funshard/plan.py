@@ -31,7 +31,8 @@ from .layout import Layout, compute_dtype, gather_bytes
 from .step import Policy
 from .step.schedule import Schedule, group_names, make_schedule, partition
 
-_METRICS_BYTES = 16  # the step's one all-reduce: (loss, squared grad norm) in float64
+# the step's one all-reduce, float64: loss, squared grad norm, and the gather order's check
+_METRICS_BYTES = 32
 
 
 class Traffic(NamedTuple):

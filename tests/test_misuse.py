@@ -361,3 +361,38 @@ def test_parameter_escaping_loss_fn_is_inert(pools):
     (n, t, msg), (n1, _, _) = pools.run(2, escaped_param)
     assert n == n1 > 0  # what escaped is an unbound stand-in, on every rank
     assert t == "RuntimeError" and "has ended" in msg and "'inp.weight'" in msg, msg
+
+
+def branch_per_rank(spec, raf):
+    """Rank 0 runs the MLP's two identical blocks in order, rank 1 the other way round: the
+    all-gathers have equal sizes and would pair block 0 on one rank with block 1 on the
+    other. The step's metrics all-reduce compares the gather orders: refused on every rank
+    before any update."""
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = MLP(dim=5, hidden=7, layers=2, out=3)
+    rank = dist.get_rank()
+
+    def loss_fn(p, b):
+        h = torch.nn.functional.linear(b[0], p["inp.weight"], p["inp.bias"])
+        for i in ((0, 1) if rank == 0 else (1, 0)):
+            h = torch.nn.functional.gelu(torch.nn.functional.linear(
+                h, p[f"layers.{i}.0.weight"], p[f"layers.{i}.0.bias"]))
+        return torch.nn.functional.mse_loss(
+            torch.nn.functional.linear(h, p["head.weight"], p["head.bias"]), b[1])
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = _locals(state)
+    g = torch.Generator().manual_seed(rank)
+    t, msg = capture(lambda: step(state, (torch.randn(2, 5, generator=g),
+                                          torch.randn(2, 3, generator=g))))
+    return t, msg, _unchanged(before, state)
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_ranks_gathering_in_different_orders_are_refused(pools, raf):
+    for t, msg, same in pools.run(2, branch_per_rank, raf):
+        assert t == "ValueError" and same, (t, msg)
+        assert "the ranks gathered the parameter groups in different orders" in msg, msg

@@ -4,7 +4,7 @@ explicitly chosen transport (see :mod:`funshard.comm.base`)."""
 from . import failures
 from .base import TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce, watch
 from .gather import all_gather, check_transport, choose
-from .failures import RankFailed
+from .failures import PeerLost, RankFailed
 from .p2p import is_direct_message
 from .reduce import GradBucket, Reducing, reduce_scatter
 
@@ -12,6 +12,7 @@ __all__ = [
     "TRANSPORTS",
     "CollectiveTimeout",
     "Gathered",
+    "PeerLost",
     "RankFailed",
     "GradBucket",
     "Reducing",

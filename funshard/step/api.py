@@ -187,6 +187,7 @@ class _Grads(NamedTuple):
     loss_sum: torch.Tensor
     aux: list
     peaks: tuple[int, int]
+    order: tuple  # per micro-batch, the groups in the order forward and backward used them
 
 
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
@@ -231,9 +232,10 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             for k2, i in enumerate(g.idx):
                 grads[i] = g.grads[k2]
     peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
+    order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     for r in runs:
         r.release()
-    return _Grads(grads, loss_sum, aux_all, peaks)
+    return _Grads(grads, loss_sum, aux_all, peaks, order)
 
 
 class _Donations:
@@ -297,11 +299,25 @@ def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     present = [i for i, g in enumerate(out.grads) if g is not None]
     sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present],
                        params.device)
-    both = torch.stack([out.loss_sum / k, sq])
+    # the order the groups were gathered in, as a number h in [1, 2^20]: the sums of h and
+    # h^2 over ranks (exact in float64) satisfy sum(h)^2 == world * sum(h^2) iff every rank
+    # has the same h (Cauchy-Schwarz)
+    h = float(hash(out.order) % 2**20 + 1)
+    both = torch.cat([torch.stack([out.loss_sum / k, sq]),
+                      torch.tensor([h, h * h], dtype=torch.float64, device=sq.device)])
     if params.world > 1:
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
     both = both.cpu()
+    if both[2].item() ** 2 != params.world * both[3].item():
+        names = params.names
+        fwd = [names[g] for g in out.order[0][0]]
+        raise ValueError(
+            "train_step: the ranks gathered the parameter groups in different orders (loss_fn "
+            "took another branch on some rank, e.g. on its own data); their collectives "
+            "paired different groups, so the step is refused before any update. This "
+            f"rank's forward order: {fwd}. Every rank must use the same groups in the same "
+            "order.")
     metrics = {
         "loss": both[0].item() / params.world,
         "grad_norm": both[1].clamp_min(0).sqrt().item(),
