@@ -96,6 +96,8 @@ def parse(argv=None):
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory launches")
     ap.add_argument("--no-overhead", action="store_true", help="skip the world-size-1 run")
     ap.add_argument("--profile", default="", help="modes to profile on rank 0 (torch.profiler)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the *_compile modes")
     ap.add_argument("--simulate", type=int, default=0, metavar="WORLD",
                     help="no collectives: per-rank memory and traffic on WORLD ranks")
     ap.add_argument("--mesh", default="", help="--simulate mesh RxS (replicate x shard)")
@@ -123,7 +125,8 @@ def config_of(args) -> Config:
     cfg = Config(world=world, blocks=args.blocks, dim=args.dim, vocab=args.vocab, seq=args.seq,
                  batch=args.batch, rounds=args.rounds, warmup=max(2, args.warmup),
                  steps=args.steps, modes=modes, device=args.device, threads=threads,
-                 profile=tuple(m for m in args.profile.split(",") if m))
+                 profile=tuple(m for m in args.profile.split(",") if m),
+                 compile_backend=args.compile_backend)
     return dataclasses.replace(cfg, **SHAPES[args.shape])
 
 
@@ -133,8 +136,11 @@ def run_shapes(args) -> dict:
     for name in args.shapes.split(","):
         if name not in LABELS:
             raise SystemExit(f"bench: --shapes takes {', '.join(LABELS)}, got {name!r}")
-        modes = ("funshard_full", "fsdp2_full", "floor") + (("funshard_full_muon",)
-                                                           if name == "A" else ())
+        modes = ("funshard_full", "fsdp2_full", "floor") + {
+            "A": ("funshard_full_muon",),
+            # activation checkpointing and compile, on and off (issue 18, item 5)
+            "C": ("funshard_full_ac", "fsdp2_full_ac", "funshard_full_compile",
+                  "fsdp2_full_compile")}.get(name, ())
         args.shape, args.modes = name, ",".join(modes)
         out = run(config_of(args), memory=not args.no_memory, overhead=False)
         print(f"\n## {LABELS[name]}\n\n{table(out)}", flush=True)

@@ -2,6 +2,7 @@
 
     funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
     funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)
+    funshard_full_compile / fsdp2_full_compile   torch.compile on (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
     ddp                                DistributedDataParallel
@@ -35,10 +36,14 @@ MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "funshard_full_muon",  # fs.optim.muon instead of AdamW (issue 18, shape A)
          # activation checkpointing per block: Policy(checkpoint=True) / FSDP2 with each
          # block in checkpoint_wrapper (non-reentrant) before fully_shard
-         "funshard_full_ac", "fsdp2_full_ac")
+         "funshard_full_ac", "fsdp2_full_ac",
+         # torch.compile: funshard's loss_fn / FSDP2's blocks (block.compile() before
+         # fully_shard), with Config.compile_backend
+         "funshard_full_compile", "fsdp2_full_compile")
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
-        "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac"}
+        "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac",
+        "funshard_full_compile": "fsdp2_full_compile"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Config:
     seed: int = 0
     lr: float = 1e-3
     profile: tuple[str, ...] = ()
+    compile_backend: str = "inductor"  # the *_compile modes' torch.compile backend
 
     @property
     def heads(self) -> int:
@@ -128,7 +134,10 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
             template = shapes.model_of(cfg)
         opt = (muon(lr=cfg.lr, other=adamw(cfg.lr)) if name.endswith("muon")
                else adamw(cfg.lr))
-        step = train_step(shapes.loss_of(cfg, template), opt,
+        loss_fn = shapes.loss_of(cfg, template)
+        if name.endswith("_compile"):
+            loss_fn = torch.compile(loss_fn, backend=cfg.compile_backend)
+        step = train_step(loss_fn, opt,
                           policy=Policy(reshard_after_forward=raf,
                                         prefetch=not name.endswith("noprefetch"),
                                         checkpoint=name.endswith("_ac")))
@@ -150,6 +159,9 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
                 checkpoint_wrapper)
             for i, block in enumerate(model.layers):
                 model.layers[i] = checkpoint_wrapper(block)
+        if name.endswith("_compile"):
+            for block in model.layers:
+                block.compile(backend=cfg.compile_backend)
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=raf)
         fully_shard(model, mesh=mesh, reshard_after_forward=raf)

@@ -196,13 +196,21 @@ def table(out: dict) -> str:
     return text
 
 
+def _per_round(out: dict, a: str, b: str) -> float:
+    """Median over rounds of mode ``a``'s step time over mode ``b``'s."""
+    rounds = out["rounds"]
+    return statistics.median(x / y for x, y in zip(rounds[a], rounds[b]))
+
+
 def shapes_table(outs: dict[str, dict]) -> str:
     """Issue 18's table over shapes, from one :func:`summarize` per shape (``{label: out}``):
     funshard FULL_SHARD against FSDP2 ``fully_shard`` per block and the floor, and Muon
     against AdamW where it ran."""
     lines = ["| shape | step x FSDP2 | step x floor | peak RSS x FSDP2 | "
-             "in-step (peak - steady) x FSDP2 | Muon step x AdamW |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "in-step (peak - steady) x FSDP2 | Muon step x AdamW | "
+             "checkpointing: live peak, step x without (x FSDP2's) | "
+             "compiled: step x eager (x FSDP2's) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, out in outs.items():
         r = out["modes"].get("funshard_full", {})
         twin = out["modes"].get("fsdp2_full", {})
@@ -215,8 +223,19 @@ def shapes_table(outs: dict[str, dict]) -> str:
             x = statistics.median(a / b for a, b in zip(rounds["funshard_full_muon"],
                                                          rounds["funshard_full"]))
             muon = f"{x:.2f} ({mu['step_ms']:.0f} vs {r['step_ms']:.0f} ms)"
+        ac, cc = out["modes"].get("funshard_full_ac"), out["modes"].get("funshard_full_compile")
+        ac_text = cc_text = "-"
+        if ac is not None and "live_peak_mb" in ac:
+            ac_text = (f"{ac['live_peak_mb'] / r['live_peak_mb']:.2f} "
+                       f"({_f(ac.get('x_twin_live_peak'))}), "
+                       f"{_per_round(out, 'funshard_full_ac', 'funshard_full'):.2f} "
+                       f"({_ratios(ac, 'twin')})")
+        if cc is not None:
+            cc_text = (f"{_per_round(out, 'funshard_full_compile', 'funshard_full'):.2f} "
+                       f"({_ratios(cc, 'twin')})")
         lines.append(f"| {label} | {_ratios(r, 'twin')} | {_ratios(r, 'floor')} | "
-                     f"{_f(r.get('x_twin_os_peak'), '{:.3f}')} | {in_step} | {muon} |")
+                     f"{_f(r.get('x_twin_os_peak'), '{:.3f}')} | {in_step} | {muon} | "
+                     f"{ac_text} | {cc_text} |")
     lines += ["", "| target | value | limit | met |", "|---|---:|---:|---|"]
     for label, out in outs.items():
         r, letter = out["modes"].get("funshard_full", {}), label[:1]

@@ -188,8 +188,9 @@ def test_bench_shapes_table(pools, label, shape):
     text = shapes_table({label: res})
     row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 6 and "MiB)" in cells[4], row
+    assert len(cells) == 8 and "MiB)" in cells[4], row
     assert (cells[5] != "-") == (shape["kind"] == "encoder"), row
+    assert cells[6] == cells[7] == "-", row  # no checkpointing or compile modes ran
     assert f"| {label[0]} x_twin_os_peak |" in text
     json.dumps(res)
 
@@ -198,9 +199,10 @@ def test_bench_checkpointing_modes(pools):
     """Policy(checkpoint=True) against FSDP2 with checkpoint_wrapper per block, on a shape
     whose activations outweigh its parameters: funshard's live peak drops below its own
     without checkpointing, with no more all-gathers."""
-    modes = ("funshard_full", "funshard_full_ac", "fsdp2_full_ac")
-    shape = dict(seq=128, dim=32, batch=4)
-    timing, memory = pools.run(2, pipeline, modes, **shape)[0]
+    modes = ("funshard_full", "funshard_full_ac", "fsdp2_full_ac", "funshard_full_compile",
+             "fsdp2_full_compile")
+    shape = dict(seq=128, dim=32, batch=4, compile_backend="aot_eager")
+    timing, memory = pools.run(2, pipeline, modes, **shape, timeout=300)[0]
     res = summarize(Config(**{**TINY, **shape}, modes=modes), timing, memory, overhead=None)
     plain, ac = res["modes"]["funshard_full"], res["modes"]["funshard_full_ac"]
     assert ac["live_peak_mb"] < plain["live_peak_mb"], (ac["live_peak_mb"], plain["live_peak_mb"])
@@ -208,3 +210,8 @@ def test_bench_checkpointing_modes(pools):
             <= plain["collectives"]["all_gather"]["count"]), (ac["collectives"],
                                                              plain["collectives"])
     assert ac["x_twin"] > 0 and "| funshard_full_ac |" in table(res)
+    # issue 18's table: checkpointing's and compile's columns
+    row = shapes_table({"C: tiny": res}).splitlines()[2]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[6] != "-" and cells[7] != "-", row
+    assert res["modes"]["funshard_full_compile"]["x_twin"] > 0
