@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from funshard.comm import failures
 from funshard.testing import CountCollectives, LivePeak, tensor_bytes
 
 from .modes import Config, batches, build_mode, build_model, device_of, meshes_for
@@ -118,7 +119,17 @@ def time_modes(cfg: Config) -> dict:
     info = {m: {k: v for k, v in r.info.items() if k.startswith("unsharded")}
             for m, r in runners.items()}
     return {"times": _gather(times), "traffic": _gather(traffic), "info": info,
-            "profiles": profiles}
+            "profiles": profiles, "bookkeeping_us": _gather(_bookkeeping_us())}
+
+
+def _bookkeeping_us(n: int = 20000) -> float:
+    """What one step's failure bookkeeping costs (funshard.comm.failures.call around it, on
+    the success path), in microseconds: every rank runs the same calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with failures.call("bench"):
+            pass
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 # -- phase 2: memory, one launch per mode ---------------------------------------------------

@@ -82,6 +82,8 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None) ->
                          "plain_ms": statistics.median(b) * 1e3,
                          "ratio": r["paired"], "ratio_best": r["best"]}
     out["rounds"] = {m: [x for x in v] for m, v in rounds.items()}
+    if timing.get("bookkeeping_us"):
+        out["bookkeeping_us"] = max(timing["bookkeeping_us"])
     out["targets"] = targets(out)
     out["profiles"] = timing.get("profiles", {})
     return out
@@ -177,6 +179,11 @@ def table(out: dict) -> str:
     if leaks:
         text += "\n\nLive tensors grow between steps (a leak inflates the memory columns): " + \
             ", ".join(f"{m} +{v:.1f} MB/step" for m, v in leaks.items())
+    if "bookkeeping_us" in out and "funshard_full" in out["modes"]:
+        us, ms = out["bookkeeping_us"], out["modes"]["funshard_full"]["step_ms"]
+        text += (f"\n\nOne rank's error is every rank's: the bookkeeping around a step costs "
+                 f"{us:.1f} us on the success path ({us / (ms * 1e3):.4%} of funshard_full's "
+                 "step)")
     evals = {m: r["eval_peak_mb"] for m, r in out["modes"].items() if "eval_peak_mb" in r}
     if evals:
         text += ("\n\nForward only (fs.eval_step; the others: the module under no_grad), "

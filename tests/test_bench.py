@@ -141,6 +141,7 @@ def test_bench_phases_and_report(pools):
     text = table(res)
     assert "| funshard_full |" in text and "| target | value | limit | met |" in text
     assert "Forward only (fs.eval_step" in text
+    assert 0 < res["bookkeeping_us"] < 1000 and "the bookkeeping around a step costs" in text
     json.dumps(res)
 
 
