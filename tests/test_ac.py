@@ -44,12 +44,12 @@ class CkptGPT(GPT):
         return self.head(self.ln_f(x))
 
 
-def _llama(reentrant):
+def _llama(reentrant, tied=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=36, num_hidden_layers=3,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.gradient_checkpointing_enable(
@@ -61,7 +61,8 @@ def _llama(reentrant):
 def _model(kind):
     torch.manual_seed(0)
     if kind.startswith("llama"):
-        return _llama(kind.endswith("reentrant") and not kind.endswith("non_reentrant"))
+        return _llama(kind.endswith("reentrant") and not kind.endswith("non_reentrant"),
+                      tied="tied" in kind)
     model = CkptGPT(reentrant=kind == "gpt_reentrant", sac=kind == "gpt_sac", vocab=64,
                     per=2 if kind == "gpt_two_blocks" else 1,
                     dim=16, heads=2, layers=3, seq=8)
@@ -126,7 +127,8 @@ def _plain_gathers(kind, raf, m, ids):
 
 # gpt_two_blocks: a region over two groups (the recompute gathers both)
 KINDS = ["gpt_non_reentrant", "gpt_reentrant", "gpt_sac", "gpt_frozen_first", "gpt_two_blocks",
-         "llama_non_reentrant", "llama_reentrant"]
+         "llama_non_reentrant", "llama_reentrant", "llama_tied_non_reentrant",
+         "llama_tied_reentrant"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
