@@ -288,3 +288,29 @@ MISUSE = {
 def test_policy_checkpoint_misuse_is_refused_by_name(pools, what):
     for t, msg, same in pools.run(2, policy_checkpoint_misuse, what):
         assert t == "ValueError" and MISUSE[what] in msg and same, (t, msg)
+
+
+def two_installs(spec):
+    """fs.call on one checkpointed module twice in a step with different tensors (a frozen
+    teacher copy, say): the recompute would run both on the last; refused, state unchanged."""
+    m = mesh(spec)
+    model = _model("gpt_non_reentrant")
+    other = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss_fn(p, b):
+        mine = fs.call(model, p, b)
+        with torch.no_grad():
+            teacher = fs.call(model, other, b)
+        return F.mse_loss(mine, teacher)
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    t, msg = capture(lambda: step(state, torch.randint(0, 64, (2, 8))))
+    return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+
+
+def test_two_installs_with_checkpointing_are_refused(pools):
+    for t, msg, same in pools.run(2, two_installs):
+        assert t == "NotImplementedError" and same, (t, msg)
+        assert "through fs.call twice with different tensors and checkpointed" in msg, msg

@@ -218,6 +218,12 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                     "in place of torch.func.functional_call.")
             _check_differentiable(loss)
             run.checkpointing = lazy.checkpointed(run, loss)
+            if run.checkpointing and run.reinstalled:
+                raise NotImplementedError(
+                    f"train_step: loss_fn called a {run.reinstalled} through fs.call twice with "
+                    "different tensors and checkpointed: backward's recompute would run every "
+                    "call on the last one's. Call it once per step with the step's params, or "
+                    "turn checkpointing off.")
             run.end_forward()
             with torch.enable_grad():
                 lazy.backward(run, loss / k)

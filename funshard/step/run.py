@@ -54,6 +54,8 @@ class Run:
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
         self.installed: list = []  # fs.call's installations, undone when the run finishes
         self.own_params: set[int] = set()  # module parameters fs.call left in place
+        self.installs: dict[int, dict] = {}  # per module fs.call installed: tensor ids
+        self.reinstalled = ""  # a module fs.call installed twice with other tensors
 
     def bound_group(self, x) -> int | None:
         """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
