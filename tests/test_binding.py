@@ -146,6 +146,28 @@ def test_custom_function_first_on_a_frozen_leaf_trains_the_group(pools, raf):
         assert err < 1e-5, err
 
 
+def no_grad_first(spec, raf):
+    """A trainable weight's first use is under the user's own torch.no_grad() (a scale taken
+    from its norm): that op takes no gradient, the rest of the loss trains as one process."""
+
+    def loss_fn(model):
+        def f(p, b):
+            with torch.no_grad():
+                scale = 1.0 / (1.0 + p["0.weight"].norm())
+            h = torch.tanh(F.linear(b[0], p["0.weight"], p["0.bias"]) * scale)
+            return F.mse_loss(F.linear(h, p["2.weight"], p["2.bias"]), b[1])
+        return f
+
+    return _sgd_parity(spec, loss_fn, fs.Policy(reshard_after_forward=raf,
+                                                 groups=lambda f: f.split(".")[0]))
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_first_use_under_no_grad_trains_as_one_process(pools, raf):
+    for err in pools.run(2, no_grad_first, raf):
+        assert err < 1e-5, err
+
+
 def checkpoint_parity(spec, reentrant, as_input, groups, raf):
     """Checkpoint the second layer, its parameters read from loss_fn's dict inside the region
     or given as the region's inputs; in one group with the first layer (gathered before the

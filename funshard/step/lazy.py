@@ -260,24 +260,33 @@ def _is_checkpoint_hook(pack) -> bool:
     return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")
 
 
-def _in_reentrant_forward() -> bool:
-    """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward (its
-    frame is on the stack; walked only on a first use under no_grad)."""
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _on_stack(code) -> bool:
+    """Whether ``code`` runs in a frame of the calling stack (walked only on a first use of
+    a trainable parameter under no_grad)."""
     f = sys._getframe(2)
-    while f is not None and _REENTRANT_FORWARD is not None:
-        if f.f_code is _REENTRANT_FORWARD:
+    while f is not None and code is not None:
+        if f.f_code is code:
             return True
         f = f.f_back
     return False
 
 
+def _in_reentrant_forward() -> bool:
+    """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward."""
+    return _on_stack(_REENTRANT_FORWARD)
+
+
 def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     """A first use the step cannot follow is refused by name, not trained wrong: under
     saved-tensor hooks other than the step's and activation checkpointing's (they would
-    keep gathered storage the step frees), or under no_grad outside a reentrant checkpoint
-    region (a custom autograd Function's forward: the parameter would bypass the step's
-    gradient reduction). Returns whether the group must enter autograd under grad mode
-    (the op runs under no_grad: a reentrant checkpoint region's forward, or a frozen leaf)."""
+    keep gathered storage the step frees), or in a custom autograd Function's forward (it
+    received the stand-in itself: the parameter's gradient would bypass the step's
+    reduction). Elsewhere under no_grad (the user's own, a reentrant checkpoint region's
+    forward) the op just takes no gradient. Returns whether the group must enter autograd
+    under grad mode (the op runs under no_grad)."""
     hooks = _top_hooks(False) if _top_hooks is not None else None
     if hooks is not None and getattr(hooks[0], "__self__", None) is not run.saved:
         if _is_checkpoint_hook(hooks[0]):
@@ -292,7 +301,9 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
         if _in_reentrant_forward():
             run.checkpointing = True
             return True
-        what = "torch.no_grad() (as a custom torch.autograd.Function's forward runs)"
+        if not _on_stack(_FUNCTION_APPLY):  # the user's own no_grad: this op takes no grad
+            return True
+        what = "a custom torch.autograd.Function's forward"
     else:
         return False
     raise NotImplementedError(
