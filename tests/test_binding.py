@@ -197,8 +197,8 @@ def checkpoint_parity(spec, reentrant, as_input, groups, raf):
 # what a reentrant region cannot make correct: its own backward runs the group's gradient
 # hand-off (a group used outside it too), or autograd captured an unused stand-in itself
 REFUSED = {
-    ("one", False): "group 'all' is used both inside and outside a "
-                    "torch.utils.checkpoint(use_reentrant=True) region",
+    ("one", False): "group 'all' is used inside a torch.utils.checkpoint(use_reentrant=True) "
+                    "region and outside it",
     ("per_layer", True): "parameter '2.weight' was saved by a torch.autograd.Function",
 }
 

@@ -394,10 +394,10 @@ def ended_twice(group) -> NotImplementedError:
     (torch.utils.checkpoint with use_reentrant=True) completed the group's gradients while
     the rest of the graph still used it."""
     return NotImplementedError(
-        f"train_step: group {group.name!r} is used both inside and outside a "
-        "torch.utils.checkpoint(use_reentrant=True) region: the region's own backward "
-        "finished the group's gradients before the rest of backward reached it, so the rest "
-        "would be lost. Use use_reentrant=False, or groups that keep the region's parameters "
+        f"train_step: group {group.name!r} is used inside a "
+        "torch.utils.checkpoint(use_reentrant=True) region and outside it (or in another "
+        "region): the region's own backward finished the group's gradients before the rest "
+        "of backward reached it, so the rest would be lost. Use use_reentrant=False, or groups that keep the region's parameters "
         "apart (fs.Policy(groups=...); fs.list_groups shows them).")
 
 

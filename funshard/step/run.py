@@ -195,6 +195,10 @@ class Run:
         t = got.get((gi, k))
         if t is None:
             group = self.groups[gi]
+            if (group.ended and self.params.trainable[group.idx[k]]
+                    and type(node).__name__ == "CheckpointFunctionBackward"):
+                # a reentrant region's gradients would come after the group's hand-off
+                raise lazy.ended_twice(group)
             if group.fulls[k] is None:  # an earlier recompute took it: gather again
                 group.free()
                 self.use([gi], new_op=False)
