@@ -57,14 +57,13 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     if run is None or run.backward:
         return torch.func.functional_call(module, params, args, kwargs)
     merged = _merged(params)
-    ids = {k: id(v) for k, v in merged.items()}
-    if run.installs.setdefault(id(module), ids) != ids:  # refused if it checkpoints (api)
+    before = run.installs.setdefault(id(module), merged)
+    if before is not merged and (before.keys() != merged.keys() or any(
+            before[k] is not v for k, v in merged.items())):  # refused if it checkpoints (api)
         run.reinstalled = type(module).__name__
     stack = contextlib.ExitStack()
     stack.enter_context(_reparametrize_module(module, merged, tie_weights=True))
-    run.installed.append(stack)  # undone by Run.finish, after backward
-    run.own_params.update(id(p) for p in module.parameters()
-                          if isinstance(p, torch.nn.Parameter))
+    run.installed.append((module, stack))  # undone by Run.finish, after backward
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
     return module(*args, **kwargs)

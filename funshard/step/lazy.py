@@ -357,12 +357,14 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
 
     def __init__(self, run):
         super().__init__()
-        self.run = run
+        # the module parameters fs.call left in place (params did not name them)
+        self.own = {id(p) for module, _ in run.installed for p in module.parameters()
+                    if isinstance(p, torch.nn.Parameter)}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for x in (*args, *kwargs.values()):
-            if isinstance(x, torch.nn.Parameter) and id(x) not in self.run.own_params:
+            if isinstance(x, torch.nn.Parameter) and id(x) not in self.own:
                 raise NotImplementedError(
                     "train_step: activation checkpointing recomputed a forward that read a "
                     f"module's own parameter (shape {tuple(x.shape)}, {x.dtype}) in "

@@ -52,9 +52,8 @@ class Run:
         # activation checkpointing (see [Note: recomputation] in .lazy)
         self.checkpointing = False  # a checkpoint region ran in forward
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
-        self.installed: list = []  # fs.call's installations, undone when the run finishes
-        self.own_params: set[int] = set()  # module parameters fs.call left in place
-        self.installs: dict[int, dict] = {}  # per module fs.call installed: tensor ids
+        self.installed: list = []  # fs.call's (module, installation), undone at finish
+        self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
         self.reinstalled = ""  # a module fs.call installed twice with other tensors
 
     def bound_group(self, x) -> int | None:
@@ -230,7 +229,7 @@ class Run:
 
     def finish(self) -> None:
         while self.installed:  # fs.call's installations, last first
-            self.installed.pop().close()
+            self.installed.pop()[1].close()
         self.grads.wait()
         self.saved.prefetch_when_done = None
         for g in self.groups:
@@ -257,4 +256,5 @@ class Run:
         self.grads.release()
         self.saved.release()
         self.recompute = (None, {})  # its autograd node reaches every ctx, and so this run
+        self.installs = {}
         self.shards = []
