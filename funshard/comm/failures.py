@@ -22,7 +22,7 @@ records of this rank's current or previous call are read.
 Ranks that make different calls (a step on one, a save on the other) block each other until
 the process-group timeout; then each posts where it was (:func:`calls_differ`) and the
 timeout error names every rank's call. A step also compares its gather order in the
-metrics all-reduce it makes anyway (:mod:`funshard.step.agree`).
+metrics all-reduce it makes anyway (:func:`funshard.step.agree.check_order`).
 """
 
 from __future__ import annotations

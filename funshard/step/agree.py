@@ -108,3 +108,25 @@ def _compare_values(every: list, params, where: str) -> None:
                     "would drift apart. Seed the initialisation alike on every rank "
                     "(torch.manual_seed before building the model) or load the same weights."
                 )
+
+
+def order_sums(order: tuple) -> list[float]:
+    """The order a step gathered its groups in (per micro-batch, forward and backward), as
+    ``[h, h^2]`` with h in [1, 2^20]: summed over ranks (exact in float64, in the step's
+    metrics all-reduce), ``sum(h)^2 == world * sum(h^2)`` iff every rank has the same h
+    (Cauchy-Schwarz). Python hashes tuples of ints alike in every process."""
+    h = float(hash(order) % 2**20 + 1)
+    return [h, h * h]
+
+
+def check_order(sums: list[float], params, order: tuple) -> None:
+    """Ranks whose ``loss_fn`` gathered the groups in different orders paired different
+    groups in their collectives: the same error on every rank, before any update."""
+    if sums[0] ** 2 != params.world * sums[1]:
+        fwd = [params.names[g] for g in order[0][0]]
+        raise ValueError(
+            "train_step: the ranks gathered the parameter groups in different orders (loss_fn "
+            "took another branch on some rank, e.g. on its own data); their collectives "
+            "paired different groups, so the step is refused before any update. This "
+            f"rank's forward order: {fwd}. Every rank must use the same groups in the same "
+            "order.")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -37,8 +36,9 @@ from ..layout import check_float_dtype
 from ..mesh import mesh_str
 from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
-from . import agree, lazy
+from . import agree, call, lazy, recompute
 from . import buffers as buffers_
+from .donation import Donations
 from .params import ParamGroups
 from .run import Run
 
@@ -210,23 +210,13 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack), \
                     run.running():
                 loss, aux = _loss_of(loss_fn(tree, mb))
-            if policy.checkpoint and not run.installed:
-                raise ValueError(
-                    "train_step: Policy(checkpoint=...) checkpoints the modules of the groups "
-                    "it selects, which it finds in the module loss_fn calls through fs.call; "
-                    "loss_fn called none. Call the model with fs.call(model, params, *args) "
-                    "in place of torch.func.functional_call.")
+            call.check_found(run)
             _check_differentiable(loss)
-            run.checkpointing = lazy.checkpointed(run, loss)
-            if run.checkpointing and run.reinstalled:
-                raise NotImplementedError(
-                    f"train_step: loss_fn called a {run.reinstalled} through fs.call twice with "
-                    "different tensors and checkpointed: backward's recompute would run every "
-                    "call on the last one's. Call it once per step with the step's params, or "
-                    "turn checkpointing off.")
+            run.checkpointing = recompute.checkpointed(run, loss)
+            call.check_recomputable(run)
             run.end_forward()
             with torch.enable_grad():
-                lazy.backward(run, loss / k)
+                recompute.backward(run, loss / k)
         finally:
             run.finish()
         loss_sum += loss.detach().double()
@@ -242,33 +232,6 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     for r in runs:
         r.release()
     return _Grads(grads, loss_sum, aux_all, peaks, order)
-
-
-class _Donations:
-    """Donation, enforced: a state's parameters are updated in place, so the step remembers,
-    per tree (keyed by its first leaf's identity: tensors compare elementwise), the step
-    count of the state it last returned; a state with another count is an old, donated one.
-    Trees that died are dropped."""
-
-    def __init__(self):
-        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
-
-    def remember(self, state: TrainState) -> TrainState:
-        leaves = pytree.flatten(state.params)[0]
-        if leaves:
-            self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items() if r() is not None}
-            self._by_id[id(leaves[0])] = (weakref.ref(leaves[0]), state.step)
-        return state
-
-    def check(self, state: TrainState, leaves: list) -> None:
-        ref, last = self._by_id.get(id(leaves[0]), (None, None)) if leaves else (None, None)
-        if ref is not None and ref() is leaves[0] and state.step != last:
-            raise ValueError(
-                f"train_step: this TrainState (step {state.step}) was donated to an earlier call "
-                f"of this step, which updated its parameters and optimizer state in place and "
-                f"returned the state at step {last}; use the state it returned: "
-                "state, metrics = step(state, batch)."
-            )
 
 
 def _check_differentiable(loss: torch.Tensor) -> None:
@@ -305,25 +268,14 @@ def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     present = [i for i, g in enumerate(out.grads) if g is not None]
     sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present],
                        params.device)
-    # the order the groups were gathered in, as a number h in [1, 2^20]: the sums of h and
-    # h^2 over ranks (exact in float64) satisfy sum(h)^2 == world * sum(h^2) iff every rank
-    # has the same h (Cauchy-Schwarz)
-    h = float(hash(out.order) % 2**20 + 1)
     both = torch.cat([torch.stack([out.loss_sum / k, sq]),
-                      torch.tensor([h, h * h], dtype=torch.float64, device=sq.device)])
+                      torch.tensor(agree.order_sums(out.order), dtype=torch.float64,
+                                   device=sq.device)])
     if params.world > 1:
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
     both = both.cpu()
-    if both[2].item() ** 2 != params.world * both[3].item():
-        names = params.names
-        fwd = [names[g] for g in out.order[0][0]]
-        raise ValueError(
-            "train_step: the ranks gathered the parameter groups in different orders (loss_fn "
-            "took another branch on some rank, e.g. on its own data); their collectives "
-            "paired different groups, so the step is refused before any update. This "
-            f"rank's forward order: {fwd}. Every rank must use the same groups in the same "
-            "order.")
+    agree.check_order(both[2:].tolist(), params, out.order)
     metrics = {
         "loss": both[0].item() / params.world,
         "grad_norm": both[1].clamp_min(0).sqrt().item(),
@@ -353,7 +305,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     if not isinstance(policy, Policy):
         raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
-    donations = _Donations()
+    donations = Donations()
     # the Policy's clipping and non-finite skip are the fs.optim transforms, in front
     optimizer = optim_clip.with_policy(optimizer, clip_norm=policy.clip_norm,
                                        skip_nonfinite=policy.skip_nonfinite)

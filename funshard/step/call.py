@@ -9,7 +9,7 @@ installation when the micro-batch's backward has finished, so a recompute runs o
 parameters: the model's own checkpointing (``torch.utils.checkpoint`` either way, Hugging
 Face ``gradient_checkpointing_enable()``, selective checkpointing) trains as one process
 would. Outside a step it is ``torch.func.functional_call``. A step whose recompute reads a
-module's own parameter is refused by name (:class:`funshard.step.lazy.RecomputeGuard`).
+module's own parameter is refused by name (:class:`funshard.step.recompute.RecomputeGuard`).
 
     >>> loss_fn = lambda p, b: F.cross_entropy(fs.call(model, p, b[0]), b[1])
 """
@@ -73,7 +73,7 @@ def _checkpoint_groups(run: Run, module: torch.nn.Module, stack: contextlib.Exit
     """``Policy(checkpoint=)``: the forward of each selected group's module runs under
     non-reentrant ``torch.utils.checkpoint`` until the run finishes. Its recompute comes
     when backward reaches the group, as backward gathers it (see [Note: recomputation] in
-    :mod:`.lazy`): no extra all-gather."""
+    :mod:`.recompute`): no extra all-gather."""
     select = run.policy.checkpoint
     found = 0
     for name in (n for n in run.params.names if select is True or select(n)):
@@ -118,3 +118,23 @@ def _restore(sub: torch.nn.Module, before) -> None:
 
 def _checkpointed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def check_found(run: Run) -> None:
+    """After ``loss_fn``: ``Policy(checkpoint=)`` found its modules through ``fs.call``."""
+    if run.policy.checkpoint and not run.installed:
+        raise ValueError(
+            "train_step: Policy(checkpoint=...) checkpoints the modules of the groups it "
+            "selects, which it finds in the module loss_fn calls through fs.call; loss_fn "
+            "called none. Call the model with fs.call(model, params, *args) in place of "
+            "torch.func.functional_call.")
+
+
+def check_recomputable(run: Run) -> None:
+    """After a checkpointing forward: no module was installed twice with other tensors."""
+    if run.checkpointing and run.reinstalled:
+        raise NotImplementedError(
+            f"train_step: loss_fn called a {run.reinstalled} through fs.call twice with "
+            "different tensors and checkpointed: backward's recompute would run every call on "
+            "the last one's. Call it once per step with the step's params, or turn "
+            "checkpointing off.")

@@ -28,37 +28,8 @@ Limits: a custom autograd Function that is the *first* to touch a trainable para
 receives the stand-in itself (``Function.apply`` is not a torch function), and autograd
 captures it as a leaf of its own; that is refused by name (its forward runs under no_grad,
 or it saves the stand-in). Give it a parameter whose group an earlier op has used, or use
-the parameter through plain torch ops first. A frozen one is fine.
-
-[Note: recomputation]
-
-Activation checkpointing recomputes a region's forward in backward. Three things make
-that train as one process would, with no extra all-gather:
-
-- *What the recompute reads.* A region that reads ``loss_fn``'s params (a closure, or its
-  inputs) reads the stand-ins. A module called through ``torch.func.functional_call`` has
-  its own weights back by then; ``fs.call`` (:mod:`.call`) keeps the stand-ins installed
-  until the micro-batch's backward ends. A recompute that reads a module's own
-  ``nn.Parameter`` anyway is refused by :class:`RecomputeGuard`, a torch function mode over
-  backward, only when the forward checkpointed (:func:`checkpointed`).
-- *Seeing it.* In backward the stand-ins are never bound (:meth:`Run.end_forward` unbinds
-  the ones still bound after a checkpointing forward), so every recomputed op that touches
-  a parameter comes through ``__torch_function__`` (:func:`_recomputed`): the group is made
-  resident as backward needs it anyway (FULL_SHARD: its one backward gather; the recompute
-  happens when backward reaches the region, where the group is due).
-- *Owning what it saves.* The recompute's saved tensors are not seen by the step's hooks
-  (the checkpoint's own are on top), so the group could free (resize to 0) storage they
-  alias. :meth:`Run.recompute_leaf` hands the recompute the gathered leaf and makes the group
-  let go of it (``release_leaf``): the storage then lives exactly as long as the saved
-  tensors. Regions over two groups crashed without this (tests/test_ac.py, two blocks).
-  A region's input that is a parameter is handed over the same way when unpacked.
-
-Reentrant regions (``use_reentrant=True``) run forward under no_grad (the first use there
-enters the group under grad mode) and backward through a nested graph that reaches the
-group's Tap and Gather: right when the group lives inside the region (a block), refused by
-name (:func:`ended_twice`) when it is also used outside, whose gradients would come after
-the group's hand-off. Selective checkpointing's dispatch modes do not see the step's own
-gather and binding (:func:`_own_ops`).
+the parameter through plain torch ops first. A frozen one is fine. Activation
+checkpointing's recompute: [Note: recomputation] in :mod:`.recompute`.
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
 the group's gradients to the run; each trainable leaf then passes :class:`Tap`, whose
@@ -68,14 +39,12 @@ in :mod:`funshard.step.group`.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
-import torch.utils._python_dispatch as _dispatch
-import torch.utils.checkpoint as _ckpt
+
+from . import recompute
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -185,7 +154,7 @@ def _first_use(func, args: tuple, kwargs: dict):
     path = path_of(lazies[0])  # before binding turns it into a plain tensor
     _scan(run, args, [], gis)  # bound leaves this op also reads
     _scan(run, kwargs.values(), [], gis)
-    with _own_ops(grad):
+    with recompute.own_ops(grad):
         run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
     if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
         args = _substitute(run, args)
@@ -201,43 +170,11 @@ def _first_use(func, args: tuple, kwargs: dict):
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
     """An op of a forward that backward recomputes touches stand-ins: it gets the gathered
     leaves, which the recompute then owns (:meth:`Run.recompute_leaf`)."""
-    with _own_ops(False), torch.no_grad():  # the step's own work is not recomputed
+    with recompute.own_ops(False), torch.no_grad():  # the step's own work is not recomputed
         run.use([x._gi for x in lazies], new_op=True)
         args = _substitute(run, args, recompute=True)
         kwargs = dict(zip(kwargs, _substitute(run, kwargs.values(), recompute=True)))
     return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _own_ops(grad: bool):
-    """The step's gather and binding, kept out of a selective-checkpointing region's op
-    cache (its dispatch modes would record or replay them), with grad on where the op runs
-    under no_grad (a group's first gather enters autograd)."""
-    with contextlib.ExitStack() as stack:
-        if any(type(m).__name__ in _SAC_MODES for m in _dispatch_stack()):
-            stack.enter_context(_without_sac())
-        if grad:
-            stack.enter_context(torch.enable_grad())
-        yield
-
-
-@contextlib.contextmanager
-def _without_sac():
-    """The dispatch mode stack without selective checkpointing's modes (others, such as a
-    collective counter, still see the step's work)."""
-    modes = _dispatch_stack()
-    low = min(i for i, m in enumerate(modes) if type(m).__name__ in _SAC_MODES)
-    popped = [_dispatch._pop_mode() for _ in range(len(modes) - low)]  # top first
-    kept = [m for m in reversed(popped) if type(m).__name__ not in _SAC_MODES]
-    for m in kept:
-        _dispatch._push_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            _dispatch._pop_mode()
-        for m in reversed(popped):
-            _dispatch._push_mode(m)
 
 
 def path_of(x) -> str:
@@ -247,38 +184,6 @@ def path_of(x) -> str:
 
 # torch's stack of saved-tensor hooks (private; present in every supported torch)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-# torch.utils.checkpoint's pieces the step recognizes (private; feature-detected): the
-# non-reentrant region's hooks, the reentrant region's forward, selective checkpointing's
-# dispatch modes
-_REENTRANT_FORWARD = getattr(getattr(getattr(_ckpt, "CheckpointFunction", None), "forward",
-                                     None), "__code__", None)
-_SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
-_dispatch_stack = getattr(_dispatch, "_get_current_dispatch_mode_stack", list)
-
-
-def _is_checkpoint_hook(pack) -> bool:
-    return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")
-
-
-_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
-
-
-def _on_stack(code) -> bool:
-    """Whether ``code`` runs in a frame of the calling stack (walked only on a first use of
-    a trainable parameter under no_grad)."""
-    f = sys._getframe(2)
-    while f is not None and code is not None:
-        if f.f_code is code:
-            return True
-        f = f.f_back
-    return False
-
-
-def _in_reentrant_forward() -> bool:
-    """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward."""
-    return _on_stack(_REENTRANT_FORWARD)
-
-
 def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     """A first use the step cannot follow is refused by name, not trained wrong: under
     saved-tensor hooks other than the step's and activation checkpointing's (they would
@@ -289,7 +194,7 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     under grad mode (the op runs under no_grad)."""
     hooks = _top_hooks(False) if _top_hooks is not None else None
     if hooks is not None and getattr(hooks[0], "__self__", None) is not run.saved:
-        if _is_checkpoint_hook(hooks[0]):
+        if recompute.is_checkpoint_hook(hooks[0]):
             run.checkpointing = True
             return False
         what = ("saved-tensor hooks other than the step's and activation checkpointing's "
@@ -298,10 +203,10 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
         # the group enters autograd with grad on all the same (its other leaves may train)
         if not any(x.requires_grad for x in lazies):
             return True
-        if _in_reentrant_forward():
+        if recompute.in_reentrant_forward():
             run.checkpointing = True
             return True
-        if not _on_stack(_FUNCTION_APPLY):  # the user's own no_grad: this op takes no grad
+        if not recompute.in_function_forward():  # the user's own no_grad: this op takes no grad
             return True
         what = "a custom torch.autograd.Function's forward"
     else:
@@ -313,68 +218,6 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
         "the step frees. Use the parameter through a plain torch op first (a Function then "
         "receives a plain tensor), or p.detach() to use it without its gradient."
     )
-
-
-def checkpointed(run, loss: torch.Tensor) -> bool:
-    """Whether activation checkpointing ran in this forward. A non-reentrant region saved
-    its inputs through the step's hooks (``run.saved.checkpointed``) or met a stand-in; a
-    reentrant one left its node in the graph (about 0.3 ms to find in a graph of 500
-    nodes, once per micro-batch)."""
-    if run.checkpointing or run.saved.checkpointed:
-        return True
-    seen, todo = set(), [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if type(fn).__name__ == "CheckpointFunctionBackward":
-            return True
-        todo.extend(f for f, _ in fn.next_functions)
-    return False
-
-
-# the autograd engine's entry (private; in every supported torch): a torch function mode
-# sees loss.backward() itself, and is off inside its own handler
-_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
-
-
-def backward(run, loss: torch.Tensor) -> None:
-    """``loss.backward()``; after checkpointing, under :class:`RecomputeGuard`."""
-    if not run.checkpointing or _run_backward is None:
-        loss.backward()
-        return
-    ones = torch.ones_like(loss)
-    with RecomputeGuard(run):
-        _run_backward((loss,), (ones,), False, False, (), allow_unreachable=True,
-                      accumulate_grad=True)
-
-
-class RecomputeGuard(torch.overrides.TorchFunctionMode):
-    """Backward of a micro-batch that checkpointed: a recomputed forward that reads a
-    module's own ``nn.Parameter`` (one ``fs.call`` did not leave in place) reads the
-    module's weights, not the step's: refused by name."""
-
-    def __init__(self, run):
-        super().__init__()
-        # the module parameters fs.call left in place (params did not name them)
-        self.own = {id(p) for module, _ in run.installed for p in module.parameters()
-                    if isinstance(p, torch.nn.Parameter)}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for x in (*args, *kwargs.values()):
-            if isinstance(x, torch.nn.Parameter) and id(x) not in self.own:
-                raise NotImplementedError(
-                    "train_step: activation checkpointing recomputed a forward that read a "
-                    f"module's own parameter (shape {tuple(x.shape)}, {x.dtype}) in "
-                    f"{getattr(func, '__name__', func)}, not the step's: "
-                    "torch.func.functional_call put the module's weights back when loss_fn "
-                    "returned, before backward recomputes, so the recompute would train on "
-                    "stale weights. Call the module with fs.call(model, params, *args) (it "
-                    "keeps the step's parameters in the module until backward ends), or turn "
-                    "checkpointing off (e.g. model.gradient_checkpointing_disable()).")
-        return func(*args, **kwargs)
 
 
 def _substitute(run, values, recompute: bool = False) -> list:
@@ -389,18 +232,6 @@ def _substitute(run, values, recompute: bool = False) -> list:
             x = type(x)(_substitute(run, x, recompute))
         out.append(x)
     return out
-
-
-def ended_twice(group) -> NotImplementedError:
-    """Backward reached a group it had finished: a reentrant checkpoint region's own backward
-    (torch.utils.checkpoint with use_reentrant=True) completed the group's gradients while
-    the rest of the graph still used it."""
-    return NotImplementedError(
-        f"train_step: group {group.name!r} is used inside a "
-        "torch.utils.checkpoint(use_reentrant=True) region and outside it (or in another "
-        "region): the region's own backward finished the group's gradients before the rest "
-        "of backward reached it, so the rest would be lost. Use use_reentrant=False, or groups that keep the region's parameters "
-        "apart (fs.Policy(groups=...); fs.list_groups shows them).")
 
 
 def in_place_error(path: str, func) -> RuntimeError:
@@ -456,7 +287,7 @@ class Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.group.ended:
-            raise ended_twice(ctx.group)
+            raise recompute.ended_twice(ctx.group)
         if grad is not None:
             ctx.run.grads.put(ctx.group, ctx.k, grad)
         return None, None, None, None

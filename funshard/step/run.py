@@ -13,7 +13,7 @@ import contextvars
 
 import torch
 
-from . import lazy
+from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
 from .params import ParamGroups
@@ -49,7 +49,7 @@ class Run:
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
         self.stand_group: dict[int, int] = {}  # id of a stand-in object -> its group
-        # activation checkpointing (see [Note: recomputation] in .lazy)
+        # activation checkpointing (see [Note: recomputation] in .recompute)
         self.checkpointing = False  # a checkpoint region ran in forward
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
         self.installed: list = []  # fs.call's (module, installation), undone at finish
@@ -160,7 +160,7 @@ class Run:
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
         if group.ended:
-            raise lazy.ended_twice(group)
+            raise recompute.ended_twice(group)
         group.ended = True
         group.free()
         self.grads.wait(keep_newest=1)
@@ -197,7 +197,7 @@ class Run:
             if (group.ended and self.params.trainable[group.idx[k]]
                     and type(node).__name__ == "CheckpointFunctionBackward"):
                 # a reentrant region's gradients would come after the group's hand-off
-                raise lazy.ended_twice(group)
+                raise recompute.ended_twice(group)
             if group.fulls[k] is None:  # an earlier recompute took it: gather again
                 group.free()
                 self.use([gi], new_op=False)

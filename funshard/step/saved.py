@@ -56,7 +56,7 @@ class SavedParams:
 
     def pack(self, t: torch.Tensor):
         entering = _entering_checkpoint()
-        if entering:  # see lazy.checkpointed
+        if entering:  # see recompute.checkpointed
             self.checkpointed = True
         if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
             return self._pack_stand_in(t, entering)
