@@ -75,26 +75,27 @@ def _grad_local(path: tuple, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _write(deltas: list, params: list) -> None:
-    """``p <- p + delta`` for every leaf with a delta, with torch's foreach ops, a chunk of
-    leaves at a time ([Note: lean updates])."""
+    """``p <- p + delta`` for every leaf with a delta, with torch's foreach ops: in place
+    over all leaves of a kind at once, what must be made (Adam's denominators, SGD's penalty)
+    a chunk of leaves at a time ([Note: lean updates])."""
     idx = [i for i, d in enumerate(deltas) if d is not None]
     ds, ps = [deltas[i] for i in idx], [local(params[i]) for i in idx]
     keys = [(p.device, p.dtype, d.den is None, d.coupled and d.wd != 0.0, d.numer / d.divisor,
              d.wd * (d.wd_numer / d.wd_divisor) if not d.coupled else d.wd) for d, p in zip(ds, ps)]
-    for (_, _, no_den, coupled, s, wd), (dg_all, pg_all) in group_by(keys, ds, ps):
-        for run in chunks(pg_all):
-            _write_run([dg_all[j] for j in run], [pg_all[j] for j in run], no_den, coupled, s, wd)
-
-
-def _write_run(dg: list, pg: list, no_den: bool, coupled: bool, s: float, wd: float) -> None:
-    """One chunk of leaves with the same kind of delta and the same scalars."""
-    nums = [d.num for d in dg]
-    if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it
-        torch._foreach_add_(pg, torch._foreach_add(nums, pg, alpha=wd), alpha=s)
-        return
-    if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
-        torch._foreach_mul_(pg, 1 + wd)
-    if no_den:
-        torch._foreach_add_(pg, nums, alpha=s)
-    else:
-        torch._foreach_addcdiv_(pg, nums, dens([d.den for d in dg]), s)
+    for (_, _, no_den, coupled, s, wd), (dg, pg) in group_by(keys, ds, ps):
+        nums = [d.num for d in dg]
+        if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it (g + wd * p: a transient)
+            for run in chunks(pg):
+                p_run = [pg[j] for j in run]
+                torch._foreach_add_(p_run, torch._foreach_add([nums[j] for j in run], p_run,
+                                                              alpha=wd), alpha=s)
+            continue
+        # in place over every leaf at once; only the denominators are made, a chunk at a time
+        if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
+            torch._foreach_mul_(pg, 1 + wd)
+        if no_den:
+            torch._foreach_add_(pg, nums, alpha=s)
+            continue
+        for run in chunks(pg):
+            torch._foreach_addcdiv_([pg[j] for j in run], [nums[j] for j in run],
+                                    dens([dg[j].den for j in run]), s)

@@ -8,7 +8,6 @@ update)``; their math is torch.optim's (foreach), op for op.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -56,6 +55,15 @@ def active(updates: Tree, params: Tree, *states: Tree, lazy: bool = False):
             [[local(s[i]) for i in idx] for s in s_leaves])
 
 
+def runs_of(updates: list, like: list) -> list[list[int]]:
+    """The runs of leaves to update together: all at once when no update has to be
+    materialized (nothing pending: no transient is made), else :func:`chunks` ([Note: lean
+    updates]). One foreach call per run and op: on a GPU each is a kernel launch."""
+    if all(u is None or as_delta(u).plain for u in updates):
+        return [list(range(len(like)))]
+    return chunks(like)
+
+
 def by_device(idx: list, grads: list, *lists: list) -> list[list[list]]:
     """``[positions, grads, *lists]`` per (device, dtype) of the grads: one foreach call each."""
     return [g for _, g in group_by([(t.device, t.dtype) for t in grads], idx, grads, *lists)]
@@ -83,7 +91,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             # torch.optim's foreach Adam, a chunk of leaves at a time; the denominator stays
             # pending (RootDen) until the parameter is written ([Note: lean updates])
             for pos, ms, vs, us_, ps_ in by_device(idx, m, v, us, ps):
-                for run in chunks(ms):
+                for run in runs_of(us_, ms):
                     gs = [materialize(us_[j], ps_[j]) for j in run]
                     m_run, v_run = [ms[j] for j in run], [vs[j] for j in run]
                     torch._foreach_lerp_(m_run, gs, 1 - b1)
@@ -125,7 +133,7 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
             # a chunk of leaves at a time ([Note: lean updates]); Nesterov's update is a new
             # tensor per leaf, alive until written
             for pos, bs, us_, ps_ in by_device(idx, bufs, us, ps):
-                for run in chunks(bs):
+                for run in (chunks(bs) if nesterov else runs_of(us_, bs)):
                     gs = [materialize(us_[j], ps_[j]) for j in run]
                     b_run = [bs[j] for j in run]
                     if step == 0:
@@ -175,8 +183,8 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
             d = as_delta(u)
             if d is not None and d.wd != 0.0:  # a second decay: fold the first one in
                 d = Delta(materialize(d, p))
-            out.append(None if d is None else dataclasses.replace(
-                d, wd=weight_decay, wd_numer=1.0, wd_divisor=1.0))
+            out.append(None if d is None else d.replace(wd=weight_decay, wd_numer=1.0,
+                                                       wd_divisor=1.0))
         return unflatten(spec, out), state
 
     t = GradientTransformation(lambda params: EmptyState(), update, True)
