@@ -20,9 +20,10 @@ from funshard.testing.models import GPT
 class CkptGPT(GPT):
     """The test GPT with each block under torch.utils.checkpoint."""
 
-    def __init__(self, reentrant: bool, sac: bool = False, per: int = 1, **kw):
+    def __init__(self, reentrant: bool, sac: bool = False, per: int = 1, peek: bool = False,
+                 **kw):
         super().__init__(**kw)
-        self.reentrant, self.sac, self.per = reentrant, sac, per
+        self.reentrant, self.sac, self.per, self.peek = reentrant, sac, per, peek
 
     def forward(self, idx):
         B, T = idx.shape
@@ -40,6 +41,8 @@ class CkptGPT(GPT):
                             else CheckpointPolicy.PREFER_RECOMPUTE)
                 extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                         policy)
+            if self.peek:  # the block's group is used (gathered, bound) before its region
+                x = x * block[0].ln1.weight
             x = checkpoint(block, x, use_reentrant=self.reentrant, **extra)
         return self.head(self.ln_f(x))
 
@@ -316,13 +319,15 @@ def test_two_installs_with_checkpointing_are_refused(pools):
         assert "through fs.call twice with different tensors and checkpointed" in msg, msg
 
 
-def two_regions_one_group(spec, reentrant, raf):
+def two_regions_one_group(spec, reentrant, raf, peek=False):
     """Each block checkpointed on its own, two blocks per group: the second region's
-    recompute finds the group's leaves taken by the first one's and gathers them again."""
+    recompute finds the group's leaves taken by the first one's and gathers them again.
+    ``peek``: one block per group, each used just before its region (its first use is
+    outside the region, so only the region's own saving shows that it checkpointed)."""
     m = mesh(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = CkptGPT(reentrant=reentrant, vocab=64, dim=16, heads=2, layers=4, seq=8)
+    model = CkptGPT(reentrant=reentrant, peek=peek, vocab=64, dim=16, heads=2, layers=4, seq=8)
     ref = copy.deepcopy(model)
 
     def pairs(fqn):
@@ -331,7 +336,7 @@ def two_regions_one_group(spec, reentrant, raf):
 
     step = fs.train_step(lambda p, b: _forward("gpt", model, p, b, fs.call),
                          fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf,
-                                                                groups=pairs))
+                                                                groups=None if peek else pairs))
     state = step.init(fs.shard(fs.params(model), m))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
@@ -358,6 +363,20 @@ def test_two_regions_in_one_group(pools, reentrant, raf):
     on before the second region's gradients exist (once trained silently wrong, 0.11):
     refused by name."""
     for what, got in pools.run(2, two_regions_one_group, reentrant, raf):
+        if reentrant:
+            assert what == "refused" and "region and outside it (or in another region)" in got, (what, got)
+        else:
+            assert what == "trained" and got < 1e-5, (what, got)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_group_used_just_before_its_region(pools, reentrant, raf):
+    """A block's weight used before its region: the group is bound when the region starts,
+    so no stand-in shows the region; its saving of its input does. Non-reentrant trains as
+    one process; reentrant is refused by name (its nested backward would hand the group on
+    before the use outside has its gradient)."""
+    for what, got in pools.run(2, two_regions_one_group, reentrant, raf, True):
         if reentrant:
             assert what == "refused" and "region and outside it (or in another region)" in got, (what, got)
         else:

@@ -212,7 +212,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                 loss, aux = _loss_of(loss_fn(tree, mb))
             call.check_found(run)
             _check_differentiable(loss)
-            run.checkpointing = recompute.checkpointed(run, loss)
+            run.checkpointing = recompute.checkpointed(run)
             call.check_recomputable(run)
             run.end_forward()
             with torch.enable_grad():

@@ -224,7 +224,9 @@ class Run:
             if g.gi not in active and g.gi != kept:
                 g.free()
         late = self.params.schedule.kept_late if kept is not None else ()
-        if late and self.groups[kept].state is S.GATHERED:
+        # after checkpointing, a recompute may read any leaf, and what a region saves goes
+        # around the step's hooks (nothing says to gather a freed leaf again): keep them all
+        if late and not self.checkpointing and self.groups[kept].state is S.GATHERED:
             self.groups[kept].free_leaves(list(late))
 
     def finish(self) -> None:

@@ -27,21 +27,26 @@ _SAVE_INPUTS = getattr(getattr(getattr(_ckpt, "_CheckpointFrame", None), "save_i
                        "__code__", None)
 _NOOP_SAVE = getattr(_ckpt, "_NoopSaveInputs", None)
 _APPLY = torch.autograd.Function.apply.__func__.__code__
+_REENTRANT = getattr(_ckpt, "CheckpointFunction", None)  # use_reentrant=True's Function
 
 
-def _entering_checkpoint() -> bool:
-    """True when the tensor being packed is a checkpoint region's input: a region whose
-    saved tensors bypass the step's hooks begins (about 0.3 us per saved tensor)."""
+def _checkpoint_saving() -> int:
+    """What saves the tensor being packed: 1, a non-reentrant checkpoint region's inputs (a
+    region whose saved tensors bypass the step's hooks begins); 2, a reentrant region's
+    ``CheckpointFunction`` its inputs; 0, anything else (about 0.3 us per saved tensor)."""
     f = sys._getframe(2)  # the Python code that made autograd save a tensor
     for _ in range(2):  # a comprehension's frame (Python 3.11), then its function
         if f is None:
-            return False
-        if f.f_code is _SAVE_INPUTS or (
-                f.f_code is _APPLY and _NOOP_SAVE is not None
-                and f.f_locals.get("cls") is _NOOP_SAVE):
-            return True
+            return 0
+        if f.f_code is _SAVE_INPUTS:
+            return 1
+        if f.f_code is _APPLY:
+            cls = f.f_locals.get("cls")
+            if _NOOP_SAVE is not None and cls is _NOOP_SAVE:
+                return 1
+            return 2 if _REENTRANT is not None and cls is _REENTRANT else 0
         f = f.f_back
-    return False
+    return 0
 
 
 class SavedParams:
@@ -52,11 +57,12 @@ class SavedParams:
         self.node = None  # the autograd node whose saved tensors are being unpacked
         self.prefetch_when_done = None  # (node, group): prefetch after group once node is done
         self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
-        self.checkpointed = False  # a non-reentrant checkpoint region began in forward
+        self.checkpointed = False  # a checkpoint region (either kind) began in forward
 
     def pack(self, t: torch.Tensor):
-        entering = _entering_checkpoint()
-        if entering:  # see recompute.checkpointed
+        saver = _checkpoint_saving()
+        entering = saver == 1
+        if saver:  # see recompute.checkpointed
             self.checkpointed = True
         if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
             return self._pack_stand_in(t, entering)
