@@ -91,8 +91,9 @@ def _init_process_group(device_type: str, timeout: float | None) -> None:
             )
         else:
             dist.init_process_group(backend, **kw)
-    else:  # a plain single process: a world of one
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
+    else:  # a plain single process: a world of one (NCCL for CUDA tensors, gloo for CPU)
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
 
 
 def make_mesh(

@@ -2,7 +2,8 @@
 explicitly chosen transport (see :mod:`funshard.comm.base`)."""
 
 from . import failures
-from .base import TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce, watch
+from .base import (TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce,
+                   force_collectives, skips, watch)
 from .gather import all_gather, check_transport, choose
 from .failures import PeerLost, RankFailed
 from .p2p import is_direct_message
@@ -21,8 +22,10 @@ __all__ = [
     "announce",
     "check_transport",
     "failures",
+    "force_collectives",
     "choose",
     "is_direct_message",
     "reduce_scatter",
+    "skips",
     "watch",
 ]

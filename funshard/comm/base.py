@@ -13,6 +13,7 @@ uses is explicit (``transport=`` on the bucket calls, ``Policy(transport=)`` for
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -25,6 +26,26 @@ from . import failures
 from .failures import RankFailed
 
 TRANSPORTS = ("auto", "c10d", "p2p")
+
+# A world of one needs no collective, and the step, the reductions and the clip skip them.
+# FUNSHARD_FORCE_COLLECTIVES=1 (or :func:`force_collectives`) runs them all the same, over
+# one rank: how the CUDA test lane exercises NCCL and the collective paths on one GPU.
+_FORCED = [os.environ.get("FUNSHARD_FORCE_COLLECTIVES", "") == "1"]
+
+
+def skips(world: int) -> bool:
+    """Whether a group of ``world`` ranks skips its collectives (a world of one, not forced)."""
+    return world == 1 and not _FORCED[0]
+
+
+@contextlib.contextmanager
+def force_collectives(on: bool = True):
+    """Within: a world of one runs every collective it would otherwise skip (tests)."""
+    before, _FORCED[0] = _FORCED[0], on
+    try:
+        yield
+    finally:
+        _FORCED[0] = before
 
 
 class CollectiveTimeout(TimeoutError):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import byte_plan
-from .base import Gathered, Transport, new_padded
+from .base import Gathered, Transport, new_padded, skips
 
 
 class FlatApi(NamedTuple):
@@ -60,7 +60,7 @@ class C10d(Transport):
         if dst:
             torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
         work = None
-        if world > 1:
+        if not skips(world):
             work = self.api.all_gather(out, inp, group=pg, async_op=async_op)
 
         def finish() -> list[torch.Tensor]:

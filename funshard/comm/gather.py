@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout, byte_plan
 from ..mesh import SHARD, process_groups
-from .base import TRANSPORTS, Gathered, Transport, new_padded, watch
+from .base import TRANSPORTS, Gathered, Transport, new_padded, skips, watch
 from .c10d import C10d
 from .p2p import P2P
 
@@ -75,7 +75,7 @@ def all_gather(
         return Gathered(None, lambda: (list(into()) if into is not None
                                        else new_padded(layouts, dtypes, device)), layouts)
     world = layouts[bp.order[0]].world
-    pg = process_groups(mesh)[0] if world > 1 else None
+    pg = None if skips(world) else process_groups(mesh)[0]
     impl = choose(transport, pg, device)
     # moving bytes is never differentiated (the step's Gather node is); a gather in backward
     # runs with grad mode on and may copy from shards that require grad

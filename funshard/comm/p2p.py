@@ -56,6 +56,8 @@ def _landing(out: torch.Tensor, world: int, seg: int) -> torch.Tensor:
 def _sum_landed(out: torch.Tensor, land: torch.Tensor, world: int) -> None:
     if world > 2:
         torch.sum(land, 0, out=out)
+    elif world == 1:  # no peer wrote it (collectives forced on one rank): start from zero
+        out.zero_()
 
 
 class P2P(Transport):

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
 from ..mesh import REPLICATE, SHARD, mesh_device, mesh_str, process_groups
-from .base import watch
+from .base import skips, watch
 from .gather import choose
 
 
@@ -102,7 +102,8 @@ class GradBucket:
         self.world = mesh.size()
         self.divide = self.world if op == "mean" else 1
         self.alias = alias
-        if self.world == 1:  # nothing to reduce: keep each gradient as it comes
+        self.skip = skips(self.world)
+        if self.skip:  # nothing to reduce: keep each gradient as it comes
             self.direct: list[torch.Tensor | None] = [None] * len(self.layouts)
             return
         shard_pg, _ = process_groups(mesh)
@@ -121,7 +122,7 @@ class GradBucket:
         if tuple(grad.shape) != tuple(lay.shape):
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
-        if self.world == 1:
+        if self.skip:
             g = grad.to(self.dtypes[k], copy=not self.alias)
             d = self.direct[k]
             self.direct[k] = d.add_(g) if add and d is not None else g
@@ -131,7 +132,7 @@ class GradBucket:
 
     def launch(self) -> Reducing:
         """Start the reduction of everything put (zeros for the rest)."""
-        if self.world == 1:
+        if self.skip:
             out = [torch.zeros(lay.shape, dtype=lay.dtype, device=self.device) if g is None
                    else g.to(lay.dtype) for lay, g in zip(self.layouts, self.direct)]
             return Reducing([], out, self.layouts)
@@ -271,7 +272,7 @@ class _ReduceOne:
                     self.results[k] = rs[offsets[k] : offsets[k] + n].view(lay.local_shape)
             self.pieces.append(rs)
         if flat is not None and flat.numel():
-            if dist.get_world_size(shard_pg) > 1:
+            if not skips(dist.get_world_size(shard_pg)):
                 with watch("all-reduce", None, SHARD):
                     self.works.append(("all-reduce", dist.all_reduce(flat, group=shard_pg,
                                                                      async_op=True)))
@@ -289,7 +290,7 @@ class _ReduceOne:
             with watch("reduce-scatter", None, SHARD):
                 self.works.append(("reduce-scatter", transport.reduce_scatter_leaves(
                     rs, kept, part.layouts, part.offsets, shard_pg)))
-        elif inp.shape[0] > 1:
+        elif not skips(inp.shape[0]):
             rs = torch.empty(inp.shape[1], dtype=self.rdt, device=self.device)
             with watch("reduce-scatter", None, SHARD):
                 self.works.append(("reduce-scatter", transport.reduce_scatter(rs, inp, shard_pg)))
@@ -306,7 +307,7 @@ class _ReduceOne:
         self.works = None
         pieces, rep_pg = self.pieces, self.rep_pg
         self.both = None
-        if rep_pg is not None and pieces and dist.get_world_size(rep_pg) > 1:
+        if rep_pg is not None and pieces and not skips(dist.get_world_size(rep_pg)):
             # one all-reduce for both kinds: a concatenation, copied back when done
             self.both = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             with watch("all-reduce", None, REPLICATE):

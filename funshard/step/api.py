@@ -271,7 +271,7 @@ def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
     both = torch.cat([torch.stack([out.loss_sum / k, sq]),
                       torch.tensor(agree.order_sums(out.order), dtype=torch.float64,
                                    device=sq.device)])
-    if params.world > 1:
+    if not comm.skips(params.world):
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
     both = both.cpu()

@@ -65,7 +65,7 @@ def locals_of(buffers: Any) -> tuple[list[DTensor], list[torch.Tensor], Any]:
 
 def sync(rule: str, work: list[torch.Tensor], mesh: DeviceMesh) -> None:
     """Make the ranks' working copies agree, in place, by ``rule``."""
-    if rule == "own" or mesh.size() == 1 or not work:
+    if rule == "own" or comm.skips(mesh.size()) or not work:
         return
     floats = [t for t in work if t.is_floating_point()] if rule == "mean" else []
     rest = [t for t in work if not (rule == "mean" and t.is_floating_point())]

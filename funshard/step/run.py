@@ -13,6 +13,7 @@ import contextvars
 
 import torch
 
+from .. import comm
 from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
@@ -36,7 +37,7 @@ class Run:
                  accumulating: bool, sync: bool, record: bool):
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
-        self.tapped = params.world > 1  # gradients reach the buckets through lazy.Tap
+        self.tapped = not comm.skips(params.world)  # gradients reach the buckets via lazy.Tap
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
@@ -126,7 +127,7 @@ class Run:
 
     def _prefetch(self) -> None:
         """Start gathering the group the schedule has next, if this run follows it."""
-        if (not self.policy.prefetch or self.params.world == 1
+        if (not self.policy.prefetch or comm.skips(self.params.world)
                 or not self.in_order[self.backward]):
             return
         order, seen = self.order(self.backward), self.seen[self.backward]
