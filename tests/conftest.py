@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from funshard.testing import Pool, world_of
+from funshard.testing import DEVICE, Pool, devices_for, world_of
 
 # The repository root, where `benchmarks` and `examples` live outside the library. Under
 # pytest's default import mode only tests/ is on sys.path; spawned ranks inherit sys.path.
@@ -37,6 +37,9 @@ class Pools:
 
     def get(self, spec) -> Pool:
         world = world_of(spec)
+        why = devices_for(world)
+        if why:
+            pytest.skip(f"{DEVICE} lane: {why}")
         if world not in self._pools:
             self._pools[world] = Pool(world, timeout=120.0)
         return self._pools[world]
@@ -54,3 +57,15 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The CUDA lane (``bash scripts/test.sh --device cuda``) runs the tests marked ``lane``;
+    the others build their tensors on the CPU for gloo ranks, and say so as they skip."""
+    if DEVICE == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU-only test (CPU tensors on gloo ranks): not in the "
+                                   f"{DEVICE} lane, which runs the tests marked lane")
+    for item in items:
+        if "lane" not in item.keywords:
+            item.add_marker(skip)

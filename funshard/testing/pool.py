@@ -13,6 +13,11 @@ healthy and are kept).
 ``fn`` must be importable (a module-level function); arguments and results are pickled.
 Inside ``fn``, :func:`mesh` returns a cached mesh: ``mesh(4)`` is 1-D, ``mesh("2x2")`` is
 ("replicate", "shard").
+
+The device: ``FUNSHARD_TEST_DEVICE`` (``cpu``, the default, or ``cuda``) names the device the
+ranks' meshes live on (:data:`DEVICE`, :func:`device`). On ``cuda`` each rank takes GPU
+``rank % device_count`` and the process group is NCCL for CUDA tensors beside gloo for CPU
+ones (``bash scripts/test.sh --device cuda``, the CUDA lane).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ import torch
 import torch.distributed as dist
 
 MeshSpec = "int | str"
+DEVICE = os.environ.get("FUNSHARD_TEST_DEVICE", "cpu")  # the lane's device type
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"FUNSHARD_TEST_DEVICE={DEVICE!r}: use cpu or cuda")
 
 
 class RankError(RuntimeError):
@@ -46,6 +54,23 @@ def world_of(spec) -> int:
     return rep * sh
 
 
+def device() -> torch.device:
+    """This process's device in the lane: the CPU, or its current GPU."""
+    if DEVICE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def devices_for(world: int) -> str:
+    """'' when this machine can run ``world`` ranks on the lane's device, else why not."""
+    if DEVICE == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < world:
+            return (f"needs {world} GPU{'s' if world > 1 else ''} (one per rank: NCCL ranks "
+                    f"cannot share one); this machine has {n}")
+    return ""
+
+
 # -- worker side -------------------------------------------------------------------------
 
 _MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process groups are costly)
@@ -56,12 +81,13 @@ def mesh(spec=None):
     from .. import make_mesh
 
     spec = dist.get_world_size() if spec is None else spec
+    kw = {"device_type": DEVICE}
     if spec not in _MESHES:
         if isinstance(spec, int):
-            _MESHES[spec] = make_mesh(shard=spec)
+            _MESHES[spec] = make_mesh(shard=spec, **kw)
         else:
             rep, sh = (int(x) for x in spec.split("x"))
-            _MESHES[spec] = make_mesh(shard=sh, replicate=rep)
+            _MESHES[spec] = make_mesh(shard=sh, replicate=rep, **kw)
     return _MESHES[spec]
 
 
@@ -69,8 +95,12 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
     faulthandler.enable()  # a crashing rank prints where it crashed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    backend = "gloo"
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=timedelta(seconds=pg_timeout),
     )
     while True:

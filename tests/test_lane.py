@@ -1,0 +1,334 @@
+"""The device lane: the step under every Policy option, mixed precision against FSDP2, the
+functions, checkpoints across devices, the demo and the benchmark, on the lane's device.
+
+CI runs it on the CPU; ``bash scripts/test.sh --device cuda`` runs it on GPUs (NCCL). A world
+of one runs every collective it would skip (``comm.force_collectives``), so one GPU goes
+through the all-gathers, reduce-scatters and all-reduces that many GPUs do; a spec needing
+more devices than the machine has skips, saying so.
+"""
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard import comm
+from funshard.testing import DEVICE, CountCollectives, device, devices_for, mesh
+from funshard.testing.models import GPT, gpt_loss
+
+pytestmark = pytest.mark.lane
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = [1, 2]
+# float32 on the CPU repeats one process's ops; CUDA kernels may sum in another order
+TOL = 1e-5 if DEVICE == "cpu" else 1e-4
+
+POLICIES = {
+    "full": {},
+    "grad_op": {"reshard_after_forward": False},
+    "accumulate_clip": {"accumulate": 2, "clip_norm": 0.5},
+    "no_prefetch": {"prefetch": False},
+    "c10d": {"transport": "c10d"},
+    "checkpoint": {"checkpoint": True},
+    "skip_nonfinite": {"skip_nonfinite": True},
+}
+
+
+def forced(world: int):
+    """A world of one runs its collectives; a bigger one has them anyway."""
+    return comm.force_collectives() if world == 1 else contextlib.nullcontext()
+
+
+def _gpt(dev):
+    torch.manual_seed(0)
+    return GPT(vocab=37, dim=16, heads=2, layers=2, seq=8).to(dev)
+
+
+def _batch(g, world, dev):
+    return tuple(torch.randint(0, 37, (world * 2, 8), generator=g).to(dev) for _ in range(2))
+
+
+def _local(b, rank):
+    return tuple(x[rank * 2:(rank + 1) * 2] for x in b)
+
+
+def step_equals_one_process(spec, policy):
+    """Two AdamW steps on the mesh against torch's AdamW on one process over the whole batch
+    (same device); the collectives of the last step; where the results live."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    with forced(world):
+        model = _gpt(dev)
+        ref = copy.deepcopy(model)
+        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1),
+                             policy=fs.Policy(**policy))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            b = _batch(g, world, dev)
+            with CountCollectives() as cc:
+                state, metrics = step(state, _local(b, rank))
+            loss = F.cross_entropy(ref(b[0]).flatten(0, 1), b[1].flatten())
+            opt.zero_grad()
+            loss.backward()
+            if "clip_norm" in policy:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), policy["clip_norm"])
+            opt.step()
+        full = fs.unshard(state.params)
+        err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        where = {t.device.type for t in fs.pytree.leaves(state) if isinstance(t, torch.Tensor)}
+        return err, abs(metrics["loss"] - loss.item()), dict(cc.counts), where
+
+
+@pytest.mark.parametrize("policy", list(POLICIES), ids=str)
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_step_equals_one_process(pools, spec, policy):
+    for rank, (err, loss_err, counts, where) in enumerate(
+            pools.run(spec, step_equals_one_process, POLICIES[policy])):
+        assert err < TOL and loss_err < TOL, (rank, err, loss_err)
+        assert where == {DEVICE}, where
+        # the collective paths ran, on one rank too
+        assert counts.get("all_gather", 0) > 0 and counts.get("reduce_scatter", 0) > 0, counts
+        assert counts.get("all_reduce", 0) >= 1, counts  # the step's metrics
+
+
+def mixed_precision_vs_fsdp2(spec):
+    """bf16 compute, fp32 reduce and masters: funshard against FSDP2 ``fully_shard`` with
+    ``MixedPrecisionPolicy`` (per block and the root), the same batches: losses and params."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    with forced(world):
+        m = mesh(spec)
+        model = _gpt(dev)
+        theirs = copy.deepcopy(model)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in theirs.layers:
+            fully_shard(block, mesh=m, mp_policy=mp)
+        fully_shard(theirs, mesh=m, mp_policy=mp)
+        topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
+        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2),
+                             policy=fs.Policy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32))
+        state = step.init(fs.shard(fs.params(model), m))
+        g = torch.Generator().manual_seed(1)
+        ours, fsdp = [], []
+        for _ in range(3):
+            x, y = _local(_batch(g, world, dev), rank)
+            with CountCollectives() as cc:
+                state, metrics = step(state, (x, y))
+            ours.append(metrics["loss"])
+            loss = F.cross_entropy(theirs(x).flatten(0, 1).float(), y.flatten())
+            topt.zero_grad()
+            loss.backward()
+            topt.step()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            fsdp.append(t.item() / world)
+        full = fs.unshard(state.params)
+        sd = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+        err = max((full[k] - sd[k]).abs().max().item() for k in full)
+        dtypes = {str(v.dtype) for v in fs.pytree.leaves(state) if isinstance(v, torch.Tensor)}
+        return ours, fsdp, err, dtypes, cc.bytes.get("all_gather", 0)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_mixed_precision_matches_fsdp2(pools, spec):
+    for ours, fsdp, err, dtypes, gathered in pools.run(spec, mixed_precision_vs_fsdp2):
+        assert max(abs(a - b) / abs(b) for a, b in zip(ours, fsdp)) < 1e-3, (ours, fsdp)
+        assert err < 1e-3, err
+        assert dtypes == {"torch.float32"}, dtypes  # masters and optimizer state
+        assert gathered > 0
+
+
+def functions_on_device(spec):
+    """shard / unshard / reshard / reduce_grads / state_dict round trips on the device."""
+    world, dev = dist.get_world_size(), device()
+    with forced(world):
+        m = mesh(spec)
+        g = torch.Generator().manual_seed(3)
+        params = {"w": torch.randn(7, 3, generator=g).to(dev),
+                  "b": torch.randn(5, generator=g).to(dev),
+                  "e": torch.randn(2, 4, 3, generator=g).to(dev)}
+        sp = fs.shard(params, m)
+        full = fs.unshard(sp)
+        back = fs.reshard(full, like=sp)
+        grads = fs.reduce_grads({k: torch.full_like(v, 2.0) for k, v in params.items()},
+                                like=sp)
+        sd = fs.load_state_dict(fs.state_dict(sp, kind="sharded"), like=sp)
+        same = (all(torch.equal(full[k], params[k]) for k in params)
+                and all(torch.equal(fs.unshard(t)[k], params[k]) for t in (back, sd)
+                        for k in params)
+                and all(bool((fs.unshard(grads)[k] == 2.0).all()) for k in params))
+        where = {t.device.type for tree in (sp, full, back, grads, sd)
+                 for t in fs.pytree.leaves(tree)}
+        return same, where
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_functions_on_device(pools, spec):
+    for same, where in pools.run(spec, functions_on_device):
+        assert same and where == {DEVICE}, (same, where)
+
+
+def checkpoint_across_devices(spec, path):
+    """A checkpoint saved from the lane's device loads on the CPU, and one saved there loads
+    back on the device: the same values both ways."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    with forced(world):
+        states = {}
+        for where, d, m in (("device", dev, mesh(spec)),
+                            ("cpu", torch.device("cpu"), fs.make_mesh(device_type="cpu"))):
+            model = _gpt(d)
+            step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2))
+            state = step.init(fs.shard(fs.params(model), m))
+            if where == "device":
+                g = torch.Generator().manual_seed(1)
+                state, _ = step(state, _local(_batch(g, world, d), rank))
+            states[where] = state
+        fs.checkpoint.save(path + "/a", states["device"])
+        on_cpu = fs.checkpoint.load(path + "/a", like=states["cpu"])
+        fs.checkpoint.save(path + "/b", on_cpu)
+        again = fs.checkpoint.load(path + "/b", like=states["device"])
+
+        def local(tree):
+            return [t.to_local().cpu() for t in fs.pytree.leaves(tree)
+                    if isinstance(t, torch.Tensor)]
+
+        same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
+                   zip(local(states["device"]), local(on_cpu), local(again)))
+        kinds = tuple({t.device.type for t in fs.pytree.leaves(tree) if isinstance(t, torch.Tensor)}
+                      for tree in (on_cpu, again))
+        return same, kinds
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_checkpoint_across_devices(pools, spec, tmp_path):
+    for same, kinds in pools.run(spec, checkpoint_across_devices, str(tmp_path)):
+        assert same and kinds == ({"cpu"}, {DEVICE}), (same, kinds)
+
+
+def _run(args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", FUNSHARD_FORCE_COLLECTIVES="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+NO_DEVICE = pytest.mark.skipif(bool(devices_for(1)), reason=f"{DEVICE} lane: {devices_for(1)}")
+
+
+@NO_DEVICE
+def test_demo_on_device(tmp_path):
+    """The demo, one process on the lane's device, every collective forced: it trains."""
+    proc = _run(["examples/gpt/train.py", "--device", DEVICE, "--nproc", "1", "--mesh", "1x1",
+                 "--steps", "6", "--dim", "32", "--layers", "2", "--heads", "2", "--seq", "32",
+                 "--batch", "2", "--eval-every", "3", "--ckpt-every", "3", "--sample", "20",
+                 "--no-progress", "--out", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([m for m in metrics if "loss" in m]) >= 6, metrics
+
+
+@NO_DEVICE
+def test_benchmark_short_on_device(tmp_path):
+    """The benchmark's short mode on one device: funshard, FSDP2 and the floor, with ratios."""
+    out = tmp_path / "bench.json"
+    proc = _run(["-m", "benchmarks.bench", "--device", DEVICE, "--world", "1", "--blocks", "2",
+                 "--dim", "32", "--seq", "16", "--batch", "2", "--rounds", "1", "--warmup", "1",
+                 "--steps", "1", "--no-memory", "--no-overhead",
+                 "--modes", "funshard_full,fsdp2_full,floor", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["modes"]["funshard_full"]["x_twin"] > 0 and res["modes"]["funshard_full"]["x_floor"] > 0
+
+
+def test_the_cuda_lane_without_a_gpu_skips_saying_why():
+    """``scripts/test.sh --device cuda`` on a machine with no GPU: the lane's tests are
+    collected, none runs, and each skip names the missing GPUs; the CPU tests are left out."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the lane runs for real there")
+    env = dict(os.environ, FUNSHARD_PY=sys.executable)
+    env.pop("FUNSHARD_TEST_DEVICE", None)
+    proc = subprocess.run(["bash", "scripts/test.sh", "--device", "cuda", "tests/test_lane.py",
+                           "-q", "-k", "not without_a_gpu"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert " passed" not in proc.stdout and "skipped" in proc.stdout, proc.stdout[-2000:]
+    assert "cuda lane: needs 1 GPU (one per rank" in proc.stdout, proc.stdout[-2000:]
+    bad = subprocess.run(["bash", "scripts/test.sh", "--device", "tpu"], capture_output=True,
+                         text=True, env=env, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "cpu or cuda" in bad.stderr
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that write bfloat16 values read from float32 ones (casts)."""
+
+    OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default,
+           torch.ops.aten._foreach_copy_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                    if isinstance(t, torch.Tensor)]
+            dt = (kwargs or {}).get("dtype")
+            if func is torch.ops.aten._to_copy.default:
+                self.n += int(dt == torch.bfloat16 and flat[0].dtype == torch.float32)
+            else:  # copy_(dst, src) / _foreach_copy_(dsts, srcs): each pair a cast
+                half = len(flat) // 2
+                self.n += sum(d.dtype == torch.bfloat16 and s.dtype == torch.float32
+                              for d, s in zip(flat[:half], flat[half:]))
+        return func(*args, **(kwargs or {}))
+
+
+def casts_per_step(spec, repeat):
+    """Casts of float32 parameters to bfloat16 in one steady step of ``Policy(param_dtype=
+    bfloat16)``, each block applied ``repeat`` times (every weight used by ``repeat`` times
+    the ops), and the all-gathers in it."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    model = _gpt(dev)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        h = fs.call(model.wte, {"weight": p["wte.weight"]}, x)
+        h = h + p["wpe.weight"][: x.shape[1]]
+        for i in range(len(model.layers)):
+            sub = {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+            for _ in range(repeat):
+                h = fs.call(model.layers[i], sub, h)
+        h = F.layer_norm(h, (h.shape[-1],), p["ln_f.weight"], p["ln_f.bias"])
+        return F.cross_entropy((h @ p["wte.weight"].t()).flatten(0, 1).float(), y.flatten())
+
+    step = fs.train_step(loss_fn, fs.optim.adamw(1e-2),
+                         policy=fs.Policy(param_dtype=torch.bfloat16))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    g = torch.Generator().manual_seed(1)
+    state, _ = step(state, _local(_batch(g, world, dev), rank))
+    casts = _Casts()
+    with casts, CountCollectives() as cc:
+        state, _ = step(state, _local(_batch(g, world, dev), rank))
+    return casts.n, cc.counts.get("all_gather", 0)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_param_dtype_casts_once_per_gather_not_per_op(pools, spec):
+    """World 1 with ``param_dtype`` casts what it gathers, one cast per leaf per gather, however
+    many ops read the weights (FSDP2's ``MixedPrecisionPolicy`` casts as it all-gathers too)."""
+    once = pools.run(spec, casts_per_step, 1)
+    thrice = pools.run(spec, casts_per_step, 3)
+    for (n1, ag1), (n3, ag3) in zip(once, thrice):
+        assert n1 > 0 and n1 == n3 and ag1 == ag3, (n1, n3, ag1, ag3)
