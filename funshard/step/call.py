@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.nn.utils.stateless import _reparametrize_module  # private; in every supported torch
-
+from .install import install
 from .run import Run
 
 
@@ -62,7 +61,7 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
             before[k] is not v for k, v in merged.items())):  # refused if it checkpoints (api)
         run.reinstalled = type(module).__name__
     stack = contextlib.ExitStack()
-    stack.enter_context(_reparametrize_module(module, merged, tie_weights=True))
+    stack.enter_context(install(module, merged))
     run.installed.append((module, stack))  # undone by Run.finish, after backward
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
