@@ -65,7 +65,18 @@ def run(cfg: Config, *, memory: bool = True, overhead: bool = True) -> dict:
         cfg1 = dataclasses.replace(cfg, world=1, modes=("funshard_full", "floor"), profile=(),
                                    rounds=2 * cfg.rounds)
         ov = launch(time_modes, cfg1)
-    return summarize(cfg, timing, mem, ov)
+    host = None
+    if overhead and not under_torchrun():
+        host = launch(time_modes, host_config(cfg))
+    return summarize(cfg, timing, mem, ov, host)
+
+
+def host_config(cfg: Config) -> Config:
+    """World 1 on a GPT whose compute is negligible (``blocks`` x 64, seq 8, batch 1): the
+    step time is host time, what a GPU waits on (issue 16's host overhead, on any device)."""
+    return dataclasses.replace(cfg, world=1, kind="gpt", dim=64, hidden=0, vocab=64, seq=8,
+                               batch=1, modes=("funshard_full", "floor"), profile=(),
+                               rounds=2 * cfg.rounds, steps=max(cfg.steps, 20))
 
 
 # -- command line ---------------------------------------------------------------------------

@@ -168,9 +168,11 @@ def test_bench_command_line(tmp_path):
     res = json.loads(out.read_text())
     assert list(res["modes"]) == ["funshard_full", "fsdp2_full", "floor"]
     assert res["modes"]["funshard_full"]["x_twin"] > 0
-    assert res["world1"]["ratio"] > 0
+    assert res["world1"]["ratio"] > 0 and res["host"]["ratio"] > 0
+    assert "Host-bound, world 1" in proc.stdout, proc.stdout
     assert {t["target"] for t in res["targets"]} >= {"funshard_full step / fsdp2_full",
-                                                     "world 1: funshard / plain step"}
+                                                     "world 1: funshard / plain step",
+                                                     "world 1, host-bound: funshard / plain step"}
 
 
 @pytest.mark.parametrize("label,shape", [("A: tiny", dict(kind="encoder", dim=64)),
