@@ -180,8 +180,8 @@ def test_functions_on_device(pools, spec):
 
 
 def checkpoint_across_devices(spec, path):
-    """A checkpoint saved from the lane's device loads on the CPU, and one saved there loads
-    back on the device: the same values both ways."""
+    """A checkpoint saved from the lane's device (synchronously and asynchronously) loads on
+    the CPU, and one saved there loads back on the device: the same values every way."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     with forced(world):
         states = {}
@@ -196,6 +196,9 @@ def checkpoint_across_devices(spec, path):
             states[where] = state
         fs.checkpoint.save(path + "/a", states["device"])
         on_cpu = fs.checkpoint.load(path + "/a", like=states["cpu"])
+        # an asynchronous save stages the device's tensors on the host first
+        fs.checkpoint.save(path + "/c", states["device"], async_save=True).result()
+        staged = fs.checkpoint.load(path + "/c", like=states["cpu"])
         fs.checkpoint.save(path + "/b", on_cpu)
         again = fs.checkpoint.load(path + "/b", like=states["device"])
 
@@ -203,8 +206,8 @@ def checkpoint_across_devices(spec, path):
             return [t.to_local().cpu() for t in fs.pytree.leaves(tree)
                     if isinstance(t, torch.Tensor)]
 
-        same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
-                   zip(local(states["device"]), local(on_cpu), local(again)))
+        same = all(torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) for a, b, c, d
+                   in zip(local(states["device"]), local(on_cpu), local(again), local(staged)))
         kinds = tuple({t.device.type for t in fs.pytree.leaves(tree) if isinstance(t, torch.Tensor)}
                       for tree in (on_cpu, again))
         return same, kinds

@@ -144,7 +144,10 @@ def _make_tmp(path: str) -> tuple[Claim | None, str]:
 def _write_async(sd, path: str, token: str, info: dict, *, keep: tuple,
                  claim: Claim | None, returns: str) -> Future:
     """Snapshot ``sd`` to CPU, then :func:`_write` it in a thread over its own gloo group."""
-    staged = {k: _stage(v) for k, v in sd.items()}
+    devices: set = set()
+    staged = {k: _stage(v, devices) for k, v in sd.items()}
+    for d in devices:  # the device-to-host copies were issued without waiting: one wait here
+        torch.cuda.synchronize(d)
     timeout = _timeout()
     kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     pg = dist.new_group(backend="gloo", **kw) if dist.is_initialized() else None
@@ -164,15 +167,26 @@ def _write_async(sd, path: str, token: str, info: dict, *, keep: tuple,
     return fut
 
 
-def _stage(v: Any) -> Any:
-    """A CPU snapshot of one value (the optimizer updates shards in place)."""
+def _stage(v: Any, devices: set) -> Any:
+    """A CPU snapshot of one value (the optimizer updates shards in place). From a GPU it is
+    copied into pinned host memory without waiting; ``devices`` collects the GPUs to wait
+    for before the snapshot is read."""
     if isinstance(v, DTensor):
-        local = v._local_tensor.detach().to("cpu", copy=True)
+        local = _host_copy(v._local_tensor.detach(), devices)
         return DTensor.from_local(local, v.device_mesh, v.placements, run_check=False,
                                   shape=v.shape, stride=v.stride())
     if isinstance(v, torch.Tensor):
-        return v.detach().to("cpu", copy=True)
+        return _host_copy(v.detach(), devices)
     return v
+
+
+def _host_copy(t: torch.Tensor, devices: set) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    devices.add(t.device)
+    return out
 
 
 def _write(sd, path: str, token: str, info: dict, *, keep: tuple, pg) -> None:
