@@ -13,17 +13,18 @@ A plan stays valid while the module tree keeps its shape: before each use it che
 module, that its children are the same objects and its parameter and buffer dicts the same
 size, and that every place still holds the tensor the plan was made from. A module changed
 in between (a submodule replaced or added, a parameter re-tied or swapped) gets a new plan;
-names the plan cannot place (not a parameter or buffer, several values for one tied tensor)
-go through ``_reparametrize_module`` itself.
+names the plan cannot place (not a parameter or buffer, several values for one tied tensor),
+and every call traced by ``torch.compile``, go through ``_reparametrize_module`` itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module  # private; in every supported torch
+
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 # module -> {names: Plan}; weak, so no state stays on or with a module that is gone
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -77,24 +78,34 @@ def plan_for(module: torch.nn.Module, names: tuple) -> Plan:
     return plan
 
 
-@contextlib.contextmanager
 def install(module: torch.nn.Module, tensors: dict):
-    """``tensors`` (``{fqn: tensor}``) in place of ``module``'s own parameters and buffers,
-    tied names tied, until exit; what the module rebound meanwhile is written back into
-    ``tensors`` (as ``functional_call`` does)."""
-    plan = plan_for(module, tuple(tensors))
-    if not plan.ok:
-        with _reparametrize_module(module, tensors, tie_weights=True):
-            yield
-        return
-    before = [where[key] for where, key, _ in plan.writes]
-    for where, key, name in plan.writes:
-        where[key] = tensors[name]
-    try:
-        yield
-    finally:
-        for (where, key, name), old in zip(reversed(plan.writes), reversed(before)):
+    """A context manager: ``tensors`` (``{fqn: tensor}``) in place of ``module``'s own
+    parameters and buffers, tied names tied, until exit; what the module rebound meanwhile
+    is written back into ``tensors`` (as ``functional_call`` does)."""
+    # under torch.compile, torch's own path, which dynamo knows (a plan's weak mapping and
+    # checks would break its graph; the compiled code does not run them again anyway)
+    plan = None if _compiling() else plan_for(module, tuple(tensors))
+    if plan is None or not plan.ok:
+        return _reparametrize_module(module, tensors, tie_weights=True)
+    return _Installed(plan, tensors)
+
+
+class _Installed:
+    def __init__(self, plan: Plan, tensors: dict):
+        self.plan, self.tensors, self.before = plan, tensors, None
+
+    def __enter__(self):
+        writes, tensors = self.plan.writes, self.tensors
+        self.before = [where[key] for where, key, _ in writes]
+        for where, key, name in writes:
+            where[key] = tensors[name]
+        return self
+
+    def __exit__(self, *exc):
+        tensors = self.tensors
+        for (where, key, name), old in zip(reversed(self.plan.writes), reversed(self.before)):
             now = where[key]
             if now is not tensors[name]:  # the module rebound it: keep what it made
                 tensors[name] = now
             where[key] = old
+        return False
