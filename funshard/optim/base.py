@@ -225,6 +225,8 @@ def materialize(d: Optional[Delta], p: Any) -> Optional[torch.Tensor]:
 
 def group_by(keys: list, *lists: list) -> list[tuple[Any, list[list]]]:
     """Split parallel lists by a key per position: ``[(key, [sublist per list]), ...]``."""
+    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one key for all
+        return [(keys[0], [list(lst) for lst in lists])]
     out: dict[Any, list[list]] = {}
     for j, k in enumerate(keys):
         g = out.setdefault(k, [[] for _ in lists])
