@@ -48,13 +48,14 @@ class Plan:
                     by_tensor.setdefault(id(t), []).append(full)
         self.ok = all(n in places for n in names)
         given = set(names)
-        self.writes: list[tuple] = []  # (owning dict, key, name whose tensor goes there)
+        # (owning dict, key, name whose tensor goes there, whether the place is that name's)
+        self.writes: list[tuple] = []
         for n in names if self.ok else ():
             tied = by_tensor[id(places[n][2])]
             if sum(t in given for t in tied) > 1:  # several values for one tied tensor
                 self.ok = False
                 break
-            self.writes += [(places[t][0], places[t][1], n) for t in tied]
+            self.writes += [(places[t][0], places[t][1], n, t == n) for t in tied]
         # modules by weak reference: the plan is the value of a weak mapping keyed by module
         self.shape = [(weakref.ref(m), tuple(weakref.ref(c) for c in m._modules.values()),
                        len(m._parameters), len(m._buffers)) for m in mods.values()]
@@ -96,16 +97,17 @@ class _Installed:
 
     def __enter__(self):
         writes, tensors = self.plan.writes, self.tensors
-        self.before = [where[key] for where, key, _ in writes]
-        for where, key, name in writes:
+        self.before = [where[key] for where, key, _, _ in writes]
+        for where, key, name, _ in writes:
             where[key] = tensors[name]
         return self
 
     def __exit__(self, *exc):
         tensors = self.tensors
-        for (where, key, name), old in zip(reversed(self.plan.writes), reversed(self.before)):
+        for (where, key, name, own), old in zip(reversed(self.plan.writes),
+                                                reversed(self.before)):
             now = where[key]
-            if now is not tensors[name]:  # the module rebound it: keep what it made
+            if own and now is not tensors[name]:  # the module rebound it: keep what it made
                 tensors[name] = now
             where[key] = old
         return False
