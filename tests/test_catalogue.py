@@ -38,7 +38,8 @@ def ranks(mode, base, failing=1, timeout=20, world=2):
         line = next((ln for ln in stdout.splitlines() if ln.startswith(("RAISED", "NO ERROR"))),
                     "")
         assert line, f"rank {len(out)} printed no outcome: {stdout[-500:]} {stderr[-2000:]}"
-        assert "SIGABRT" not in stderr and p.returncode != -signal.SIGABRT
+        assert "SIGABRT" not in stderr and p.returncode != -signal.SIGABRT, (
+            f"rank {len(out)} aborted: {stdout[-300:]} {stderr[-1500:]}")
         if line == "NO ERROR":
             out.append((p.returncode, None, None, ""))
         else:
