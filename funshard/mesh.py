@@ -54,9 +54,14 @@ def process_groups(mesh: DeviceMesh):
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device this rank's tensors live on for ``mesh`` (the current CUDA device)."""
-    if mesh.device_type == "cuda":
+    return rank_device(mesh.device_type)
+
+
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: the current CUDA device, or the type itself."""
+    if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    return torch.device(device_type)
 
 
 def replicas(mesh: DeviceMesh) -> int:

@@ -7,6 +7,7 @@
 - :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
 - :mod:`.lazy`: the parameter stand-in; :mod:`.saved`: autograd's saved parameters;
 - :mod:`.call`: fs.call, functional_call whose parameters last until backward ends;
+  :mod:`.install`: what fs.call puts in a module, from a plan cached per module;
   :mod:`.recompute`: activation checkpointing inside loss_fn; :mod:`.donation`: a used-up
   state raises;
 - :mod:`.buffers`: buffers in the state and their cross-rank rules;

@@ -56,9 +56,9 @@ def world_of(spec) -> int:
 
 def device() -> torch.device:
     """This process's device in the lane: the CPU, or its current GPU."""
-    if DEVICE == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from ..mesh import rank_device
+
+    return rank_device(DEVICE)
 
 
 def devices_for(world: int) -> str:
