@@ -24,7 +24,7 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
         like: the sharded tree (DTensors) whose placements the result takes.
         op: ``"mean"`` (default) or ``"sum"`` over data-parallel ranks.
         reduce_dtype: reduce in this dtype (e.g. float32 for bf16 grads).
-        transport: how the bytes move: ``"auto"``, ``"c10d"`` or ``"p2p"``.
+        transport: how the bytes move: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"``.
     Returns:
         tree of DTensor gradient shards (None where the gradient was None).
 

@@ -128,7 +128,7 @@ def unshard(
         param_dtype: gather floating leaves in this dtype (mixed precision, e.g. bfloat16).
         reduce_dtype: reduce gradients in this dtype (e.g. float32); grads come back in the
             shards' dtype.
-        transport: how the bytes move: ``"auto"``, ``"c10d"`` or ``"p2p"`` (see
+        transport: how the bytes move: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see
             :mod:`funshard.comm`).
     Returns:
         the same tree with full-shape plain tensors.

@@ -395,21 +395,21 @@ def bucket_inputs(spec, shapes, seed):
     return m, x, layouts, locals_, grads
 
 
-def exchange_parity(spec, shapes, seed):
-    """The direct exchange (gloo's default here) == gloo's own collectives, with two
+def exchange_parity(spec, shapes, seed, direct="p2p"):
+    """A direct exchange (``"p2p"`` or ``"cma"``) == gloo's own collectives, with two
     all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
     from funshard.comm import all_gather, reduce_scatter
 
     m, x, layouts, locals_, grads = bucket_inputs(spec, shapes, seed)
     got = {}
-    for how in ("c10d", "p2p"):
+    for how in ("c10d", direct):
         with Ops() as ops, CountCollectives() as cc:
             first = all_gather(layouts, locals_, m, async_op=True, transport=how)
             second = all_gather(layouts, locals_, m, async_op=True, transport=how)
             red = reduce_scatter(layouts, grads, m, async_op=True, transport=how).wait()
             b, a = second.wait(), first.wait()
         got[how] = (a, b, red, set(ops.names), dict(cc.counts))
-    (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["c10d"], got["p2p"]
+    (na, nb, nred, nops, ncounts), (da, db, dred, dops, dcounts) = got["c10d"], got[direct]
     problems = []
     for k, full in zip(x, x.values()):
         i = list(x).index(k)
@@ -423,19 +423,22 @@ def exchange_parity(spec, shapes, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("direct", ["p2p", "cma"])
 @pytest.mark.parametrize("spec", [2, 3, 4, "2x2"], ids=str)
 @given(shapes=st.lists(st.lists(SIZES, min_size=1, max_size=3).map(tuple), min_size=1,
                        max_size=4), seed=st.integers(0, 2**16))
-def test_direct_exchange_is_the_collective(pools, spec, shapes, seed):
+def test_direct_exchange_is_the_collective(pools, spec, direct, shapes, seed):
     for rank, (problems, worst, nops, dops, ncounts, dcounts) in enumerate(
-            pools.run(spec, exchange_parity, shapes, seed)):
+            pools.run(spec, exchange_parity, shapes, seed, direct)):
         assert problems == [], f"rank {rank}: {problems}"
         # 2 ranks sum a + b either way; more may add in another order
         assert worst <= (0.0 if spec in (2, "2x2") else 1e-5), f"rank {rank}: {worst}"
         assert not {"_allgather_base_", "_reduce_scatter_base_"} & dops, dops
         assert not {"send", "recv_"} & nops, nops
         if any(math.prod(s) for s in shapes):  # else nothing moves at all
-            assert {"send", "recv_"} <= dops, dops
+            # p2p moves messages; cma none (2x2: the replicate all-reduce is gloo's)
+            assert ({"send", "recv_"} <= dops) if direct == "p2p" else \
+                not {"send", "recv_", "allgather", "reduce_scatter"} & dops, dops
         # counters see one collective per exchange, as they see gloo's own
         assert dcounts == ncounts, (dcounts, ncounts)
 

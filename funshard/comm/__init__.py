@@ -4,7 +4,7 @@ explicitly chosen transport (see :mod:`funshard.comm.base`)."""
 from . import failures
 from .base import (TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce,
                    force_collectives, skips, watch)
-from .gather import all_gather, check_transport, choose
+from .gather import all_gather, all_to_all, check_transport, choose
 from .failures import PeerLost, RankFailed
 from .p2p import is_direct_message
 from .reduce import GradBucket, Reducing, reduce_scatter
@@ -19,6 +19,7 @@ __all__ = [
     "Reducing",
     "Transport",
     "all_gather",
+    "all_to_all",
     "announce",
     "check_transport",
     "failures",

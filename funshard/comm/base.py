@@ -7,7 +7,10 @@ uses is explicit (``transport=`` on the bucket calls, ``Policy(transport=)`` for
 - ``"c10d"`` (:mod:`funshard.comm.c10d`): the backend's own collectives (NCCL, gloo);
 - ``"p2p"`` (:mod:`funshard.comm.p2p`): a direct exchange of point-to-point messages, for
   gloo on CPU, where it costs a third to a half of gloo's collectives for the same bytes;
-- ``"auto"`` (the default): ``"p2p"`` on gloo CPU process groups, ``"c10d"`` elsewhere.
+- ``"cma"`` (:mod:`funshard.comm.cma`): ranks on one host read each other's CPU tensors
+  straight from memory (cross-memory attach), a seventh of a gloo message's time;
+- ``"auto"`` (the default): on gloo CPU process groups ``"cma"`` where every rank of the
+  group can use it, else ``"p2p"``; ``"c10d"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ..mesh import mesh_str
 from . import failures
 from .failures import RankFailed
 
-TRANSPORTS = ("auto", "c10d", "p2p")
+TRANSPORTS = ("auto", "c10d", "p2p", "cma")
 
 # A world of one needs no collective, and the step, the reductions and the clip skip them.
 # FUNSHARD_FORCE_COLLECTIVES=1 (or :func:`force_collectives`) runs them all the same, over
@@ -131,7 +134,7 @@ def new_padded(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype],
 
 class Transport:
     """How one bucket's bytes move. Subclasses: :class:`funshard.comm.c10d.C10d`,
-    :class:`funshard.comm.p2p.P2P`.
+    :class:`funshard.comm.p2p.P2P`, :class:`funshard.comm.cma.CMA`.
 
     ``borrows``: the transport can reduce-scatter straight from each leaf's gradient
     (:meth:`reduce_scatter_leaves`) instead of from a flat ``(world, seg)`` input.

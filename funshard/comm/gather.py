@@ -15,26 +15,35 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layout import Layout, byte_plan
 from ..mesh import SHARD, process_groups
 from .base import TRANSPORTS, Gathered, Transport, new_padded, skips, watch
+from . import cma
 from .c10d import C10d
 from .p2p import P2P
 
-_IMPLS: dict[str, Transport] = {"c10d": C10d(), "p2p": P2P()}
+_IMPLS: dict[str, Transport] = {"c10d": C10d(), "p2p": P2P(), "cma": cma.CMA()}
 
 
 def choose(name: str, pg, device: torch.device) -> Transport:
-    """The transport ``name`` (``"auto"``, ``"c10d"``, ``"p2p"``) resolves to for a process
-    group (None: a world of one, where nothing moves) and device."""
+    """The transport ``name`` (``"auto"``, ``"c10d"``, ``"p2p"``, ``"cma"``) resolves to for a
+    process group (None: a world of one, where nothing moves) and device. The first call
+    with ``"auto"`` or ``"cma"`` on a gloo CPU group is collective (a handshake)."""
     check_transport(name, where="comm")
     if pg is None:
         return _IMPLS["c10d"]
     gloo_cpu = device.type == "cpu" and "gloo" in str(dist.get_backend(pg))
     if name == "auto":
-        return _IMPLS["p2p" if gloo_cpu else "c10d"]
-    if name == "p2p" and not gloo_cpu:
+        if not gloo_cpu:
+            return _IMPLS["c10d"]
+        return _IMPLS["cma" if cma.available(pg) else "p2p"]
+    if name in ("p2p", "cma") and not gloo_cpu:
         raise ValueError(
-            f"transport='p2p' moves buckets by gloo point-to-point messages on CPU; this process "
-            f"group is {dist.get_backend(pg)} on {device.type}: use 'c10d' or 'auto'."
+            f"transport={name!r} moves CPU tensors between gloo ranks; this process group is "
+            f"{dist.get_backend(pg)} on {device.type}: use 'c10d' or 'auto'."
         )
+    if name == "cma" and not cma.available(pg):
+        raise ValueError(
+            "transport='cma' reads peers' memory (process_vm_readv), which some rank of this "
+            "process group cannot: not x86-64 Linux, ranks on other hosts, ptrace forbidden, "
+            "or FUNSHARD_CMA=0. Use 'p2p' or 'auto'.")
     return _IMPLS[name]
 
 
@@ -64,7 +73,7 @@ def all_gather(
         into: returns the padded full tensors (``layout.padded_shape``) to fill instead of
             new ones; called when they are first written: at once for a direct exchange,
             at ``wait()`` for a collective.
-        transport: ``"auto"``, ``"c10d"`` or ``"p2p"`` (see :mod:`funshard.comm.base`).
+        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm.base`).
     Returns:
         a :class:`Gathered`; ``.wait()`` -> full tensors in ``layouts`` order.
     """
@@ -76,9 +85,20 @@ def all_gather(
                                        else new_padded(layouts, dtypes, device)), layouts)
     world = layouts[bp.order[0]].world
     pg = None if skips(world) else process_groups(mesh)[0]
-    impl = choose(transport, pg, device)
     # moving bytes is never differentiated (the step's Gather node is); a gather in backward
     # runs with grad mode on and may copy from shards that require grad
     with watch("all-gather", mesh, SHARD), torch.no_grad():
+        impl = choose(transport, pg, device)  # the first choice is a handshake
         return impl.all_gather(layouts, shards, dtypes, pg, into, device, async_op)
 
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int],
+               in_sizes: list[int], pg) -> None:
+    """``dist.all_to_all_single`` (flat, element counts per rank) on the transport "auto"
+    picks: cross-memory reads on one host's CPU ranks, else the backend's."""
+    impl = choose("auto", pg, inp.device)
+    if isinstance(impl, cma.CMA):
+        impl.all_to_all(out, inp, out_sizes, in_sizes, pg).wait()
+    else:
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=pg)

@@ -51,7 +51,7 @@ def reduce_scatter(
             no copy); results may then alias the inputs.
         async_op: return a :class:`Reducing` once the reduce-scatter is launched;
             ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
-        transport: ``"auto"``, ``"c10d"`` or ``"p2p"`` (see :mod:`funshard.comm.base`).
+        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm.base`).
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
@@ -83,10 +83,10 @@ class GradBucket:
         op: ``"mean"`` or ``"sum"`` over all mesh ranks.
         alias: on a world of one (nothing to reduce) keep the first gradient put itself
             instead of a copy; results may then alias it.
-        borrow: where the transport can (``"p2p"``), keep each sharded leaf's gradient
+        borrow: where the transport can (``"p2p"``, ``"cma"``), keep each sharded leaf's gradient
             itself (no copy into a flat buffer) and send its rows from it; the caller must
             not change a gradient after putting it.
-        transport: ``"auto"``, ``"c10d"`` or ``"p2p"``.
+        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"``.
         device: where the buffers and results live: the gradients' device (default: this
             rank's device of the mesh).
     """
@@ -107,7 +107,8 @@ class GradBucket:
             self.direct: list[torch.Tensor | None] = [None] * len(self.layouts)
             return
         shard_pg, _ = process_groups(mesh)
-        self.transport = choose(transport, shard_pg, self.device)
+        with watch("reduce-scatter", mesh, SHARD):  # the first choice is a handshake
+            self.transport = choose(transport, shard_pg, self.device)
         borrow = borrow and self.transport.borrows
         self.parts: dict[torch.dtype, _Part] = {}
         self.where: list[tuple[_Part, int]] = []

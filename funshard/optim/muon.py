@@ -81,7 +81,7 @@ def _all_to_all(parts: list[list[torch.Tensor]], sizes: list[int], like: torch.T
     inp = torch.cat([t.reshape(-1) for p in parts for t in p] or [like.new_empty(0)])
     out = like.new_empty(sum(sizes))
     with comm.watch("all-to-all of Muon's matrices", mesh, SHARD):
-        dist.all_to_all_single(out, inp, sizes, [sum(t.numel() for t in p) for p in parts], group=pg)
+        comm.all_to_all(out, inp, sizes, [sum(t.numel() for t in p) for p in parts], pg)
     return list(out.split(sizes))
 
 

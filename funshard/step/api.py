@@ -73,9 +73,9 @@ class Policy:
             whose gradient is not finite, leaving the state unchanged. True is sugar for
             ``fs.optim.apply_if_finite()`` first in front of the optimizer (a non-finite loss
             counts too); ``metrics["skipped"]`` says whether it dropped the update.
-        transport: how buckets move: ``"auto"`` (a direct point-to-point exchange on gloo
-            CPU groups, the backend's collectives elsewhere), ``"c10d"`` or ``"p2p"`` (see
-            :mod:`funshard.comm`).
+        transport: how buckets move: ``"auto"`` (on gloo CPU groups, ranks of one host read
+            each other's memory, else a direct point-to-point exchange; the backend's
+            collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm`).
         checkpoint: activation checkpointing per group: True for every group that names a
             submodule of the module ``loss_fn`` calls through :func:`funshard.call` (the
             repeated blocks), or a predicate ``group name -> bool``. The group's module

@@ -1,0 +1,110 @@
+"""The cross-memory transport (funshard.comm.cma): what the handshake decides, a queue that
+wraps its ring, and ranks that start different collectives.
+
+Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
+test, 2, 3, 4 ranks and 2x2); every step test on gloo runs on it, as "auto" picks it here.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import funshard as fs
+from funshard.comm import cma
+from funshard.comm.gather import choose
+from funshard.layout import layout_of
+
+CPU = torch.device("cpu")
+
+
+def _fresh_group():
+    """A new process group over every rank (a probe that breaks it breaks nothing else)."""
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def choices(spec, opt_out_rank):
+    """What "auto" and "cma" become on a fresh group when one rank opts out (or none)."""
+    before = os.environ.get("FUNSHARD_CMA")
+    if dist.get_rank() == opt_out_rank:
+        os.environ["FUNSHARD_CMA"] = "0"
+    try:
+        pg = _fresh_group()
+        auto = choose("auto", pg, CPU).name
+        try:
+            explicit = choose("cma", pg, CPU).name
+        except ValueError as e:
+            explicit = f"ValueError: {e}"
+        return auto, explicit
+    finally:
+        if before is None:
+            os.environ.pop("FUNSHARD_CMA", None)
+        else:
+            os.environ["FUNSHARD_CMA"] = before
+
+
+def test_every_rank_of_a_group_makes_the_same_choice(pools):
+    assert pools.run(2, choices, None) == [("cma", "cma")] * 2
+    for auto, explicit in pools.run(2, choices, 1):  # one rank opted out: all use p2p
+        assert auto == "p2p"
+        assert explicit.startswith("ValueError: transport='cma' reads peers' memory"), explicit
+
+
+def many_in_flight(spec, n, seed):
+    """``n`` all-gathers and reduce-scatters in flight on one group (more than the ring
+    holds), finished in reverse order: every result as gloo's own collectives give it."""
+    from funshard.comm import all_gather, reduce_scatter
+
+    m = fs.make_mesh()
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(5 + k % 3, 4, generator=g) for k in range(n)]
+    shards = [fs.shard({"w": f}, m)["w"] for f in fulls]
+    lays = [layout_of("w", s) for s in shards]
+    grads = [torch.randn(f.shape, generator=g) * (rank + 1) for f in fulls]
+    works = []
+    for k in range(n):
+        works.append(all_gather([lays[k]], [shards[k].to_local()], m, async_op=True,
+                                transport="cma"))
+        works.append(reduce_scatter([lays[k]], [grads[k]], m, async_op=True, transport="cma"))
+    got = [w.wait() for w in reversed(works)][::-1]
+    bad = []
+    for k in range(n):
+        (full,), (red,) = got[2 * k], got[2 * k + 1]
+        want = reduce_scatter([lays[k]], [grads[k]], m, transport="c10d")
+        if not torch.equal(full, fulls[k]):
+            bad.append(f"gather {k}")
+        if not torch.equal(red, want[0]):
+            bad.append(f"reduce {k}")
+    return bad
+
+
+def test_more_exchanges_in_flight_than_the_ring_holds(pools):
+    n = cma.RING // 2 + 8  # two exchanges each: the ring wraps
+    assert pools.run(2, many_in_flight, n, 3) == [[], []]
+
+
+def different_collectives(spec):
+    """Rank 0 starts an all-gather, rank 1 a reduce-scatter, on one group."""
+    pg = _fresh_group()
+    m = fs.make_mesh()
+    shard = fs.shard({"w": torch.ones(4, 3)}, m)["w"]
+    lay = layout_of("w", shard)
+    t = cma.CMA()
+    try:
+        if dist.get_rank() == 0:
+            t.all_gather([lay], [shard.to_local()], [torch.float32], pg, None, CPU, False)
+        else:
+            out = torch.empty(2 * 3)
+            t.reduce_scatter(out, torch.ones(2, 6), pg).wait()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group(pg)
+    return "NO ERROR"
+
+
+def test_different_collectives_are_named_on_every_rank(pools):
+    for rank, msg in enumerate(pools.run(2, different_collectives, timeout=60)):
+        assert "ranks started different collectives" in msg, (rank, msg)
+        assert "all-gather of" in msg and "reduce-scatter of" in msg, (rank, msg)
