@@ -107,6 +107,9 @@ def parse(argv=None):
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory launches")
     ap.add_argument("--no-overhead", action="store_true", help="skip the world-size-1 run")
     ap.add_argument("--profile", default="", help="modes to profile on rank 0 (torch.profiler)")
+    ap.add_argument("--fused", action="store_true",
+                    help="AdamW as one fused kernel in every mode (torch.optim.AdamW(fused=True), "
+                         "fs.optim.adamw(fused=True)) instead of foreach")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the *_compile modes")
     ap.add_argument("--simulate", type=int, default=0, metavar="WORLD",
@@ -137,7 +140,7 @@ def config_of(args) -> Config:
                  batch=args.batch, rounds=args.rounds, warmup=max(2, args.warmup),
                  steps=args.steps, modes=modes, device=args.device, threads=threads,
                  profile=tuple(m for m in args.profile.split(",") if m),
-                 compile_backend=args.compile_backend)
+                 compile_backend=args.compile_backend, fused=args.fused)
     return dataclasses.replace(cfg, **SHAPES[args.shape])
 
 

@@ -69,6 +69,7 @@ class Config:
     lr: float = 1e-3
     profile: tuple[str, ...] = ()
     compile_backend: str = "inductor"  # the *_compile modes' torch.compile backend
+    fused: bool = False  # AdamW as one fused kernel (every mode) instead of foreach
 
     @property
     def heads(self) -> int:
@@ -132,8 +133,8 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         params = shard(dict(base.named_parameters()), mesh)  # local shards are copies
         with torch.device("meta"):  # fs.call needs only the structure
             template = shapes.model_of(cfg)
-        opt = (muon(lr=cfg.lr, other=adamw(cfg.lr)) if name.endswith("muon")
-               else adamw(cfg.lr))
+        opt = (muon(lr=cfg.lr, other=adamw(cfg.lr, fused=cfg.fused)) if name.endswith("muon")
+               else adamw(cfg.lr, fused=cfg.fused))
         loss_fn = shapes.loss_of(cfg, template)
         if name.endswith("_compile"):
             loss_fn = torch.compile(loss_fn, backend=cfg.compile_backend)
@@ -171,7 +172,8 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
                                         else None, gradient_as_bucket_view=True)
     elif name != "floor":
         raise ValueError(f"bench: unknown mode {name!r}; choose from {', '.join(MODES)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                            **({"fused": True} if cfg.fused else {"foreach": True}))
 
     def run(batch):
         loss = shapes.plain_loss(cfg, model, batch)

@@ -165,7 +165,8 @@ def table(out: dict) -> str:
     model = {"encoder": "TransformerEncoderLayer", "mlp": f"MLP block (hidden {cfg['hidden']})"
              }.get(cfg.get("kind", "gpt"), "GPT")
     head = (f"funshard bench: {model} {cfg['blocks']} x {cfg['dim']} (vocab {cfg['vocab']}, seq "
-            f"{cfg['seq']}), batch {cfg['batch']}/rank, AdamW, {cfg['world']} ranks on "
+            f"{cfg['seq']}), batch {cfg['batch']}/rank, "
+            f"AdamW ({'fused' if cfg.get('fused') else 'foreach'}), {cfg['world']} ranks on "
             f"{cfg['device']}; {cfg['rounds']} interleaved rounds after "
             f"{cfg['warmup']} warm-up steps; per round the slowest rank; ratios: median of the "
             f"per-round ratios (in brackets: fastest round / fastest round)\n\n")

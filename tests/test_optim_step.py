@@ -16,10 +16,10 @@ NO_DECAY = lambda fqn: not fqn.endswith("bias")
 
 
 def _ours(name):
-    if name == "chain":
+    if name in ("chain", "fused"):
         return optim.chain(optim.clip_by_global_norm(0.05),
                            optim.adamw(optim.warmup_cosine(1e-2, 1, STEPS), weight_decay=0.1,
-                                       mask=NO_DECAY))
+                                       mask=NO_DECAY, fused=name == "fused"))
     if name == "torch":
         return optim.from_torch(torch.optim.RAdam, lr=1e-2)
     return optim.muon(lr=0.02, momentum=0.9)
@@ -27,10 +27,11 @@ def _ours(name):
 
 def _theirs(name, model):
     named = dict(model.named_parameters())
-    if name == "chain":
+    if name in ("chain", "fused"):
         opt = torch.optim.AdamW([{"params": [p for n, p in named.items() if NO_DECAY(n)]},
                                  {"params": [p for n, p in named.items() if not NO_DECAY(n)],
-                                  "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+                                  "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1,
+                                fused=name == "fused")
         lr = optim.warmup_cosine(1e-2, 1, STEPS)
         return [opt], torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr(s) / 1e-2)
     if name == "torch":
@@ -59,7 +60,7 @@ def train(spec, name):
         for o in opts:
             o.zero_grad()
         loss.backward()
-        if name == "chain":
+        if name in ("chain", "fused"):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         for o in opts:
             o.step()
@@ -69,7 +70,7 @@ def train(spec, name):
     return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("name", ["chain", "torch", "muon"])
+@pytest.mark.parametrize("name", ["chain", "fused", "torch", "muon"])
 @pytest.mark.parametrize("spec", [2, "2x2"])
 def test_train_step_with_optimizer_equals_one_process(pools, spec, name):
     for err in pools.run(spec, train, name):

@@ -45,7 +45,7 @@ def adam(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: f
 
 
 def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01, *, mask=None) -> Optimizer:
+          weight_decay: float = 0.01, *, mask=None, fused: bool = False) -> Optimizer:
     """AdamW (decoupled weight decay), matching ``torch.optim.AdamW(foreach=True)``.
 
     Args:
@@ -55,6 +55,9 @@ def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: 
       eps: term added to the denominator (>= 0).
       weight_decay: decoupled weight decay, applied as ``p *= 1 - lr * weight_decay`` (>= 0).
       mask: where weight decay applies, e.g. ``lambda fqn: not fqn.endswith("bias")``.
+      fused: one fused kernel per device and dtype for the whole update, as
+        ``torch.optim.AdamW(fused=True)`` (its numbers; no temporaries, one pass over
+        memory); default: ``torch.optim.AdamW(foreach=True)``'s numbers, bit for bit.
 
     Returns:
       ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay, mask),
@@ -68,5 +71,5 @@ def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: 
       for step in range(n):
           params, state = opt.update(grads_fn(params), state, params, step=step)
     """
-    return chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay, mask),
+    return chain(scale_by_adam(*betas, eps, fused=fused), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(lr))

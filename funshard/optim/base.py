@@ -79,6 +79,32 @@ class RootDen(NamedTuple):
     eps: float
 
 
+class FusedAdam:
+    """Adam's whole update, pending: the moments are not touched until the parameter is
+    written, where one ``torch._fused_adamw_`` call updates moments and parameters of every
+    such leaf at once ([Note: fused Adam]); ``scale`` is a factor the gradient still owes
+    (a clip's). :meth:`realize` turns it into the unfused form (once) for anything else."""
+
+    __slots__ = ("m", "v", "b1", "b2", "eps", "step", "scale", "done")
+
+    def __init__(self, m, v, b1: float, b2: float, eps: float, step: int, scale: float):
+        self.m, self.v, self.b1, self.b2, self.eps = m, v, b1, b2, eps
+        self.step, self.scale, self.done = step, scale, None
+
+    def realize(self, d: "Delta") -> "Delta":
+        """``d`` (whose ``den`` this is) as torch's foreach Adam would leave it: moments
+        updated in place, the direction ``m / RootDen(v)`` with its bias corrections."""
+        if self.done is None:
+            g = d.num if self.scale == 1.0 else torch.mul(d.num, self.scale)
+            self.m.lerp_(g, 1 - self.b1)
+            self.v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+            self.done = (1 - self.b1 ** float(self.step + 1),
+                         (1 - self.b2 ** float(self.step + 1)) ** 0.5)
+        bc1, bc2 = self.done
+        return d.replace(num=self.m, den=RootDen(self.v, bc2, self.eps),
+                         divisor=d.divisor * bc1)
+
+
 def dens(ds: list) -> list:
     """The denominators of deltas ``ds`` (each a tensor or a :class:`RootDen`), as torch's
     foreach Adam computes them: ``sqrt``, ``div_``, ``add_``, one foreach call per scalar pair."""
@@ -203,6 +229,8 @@ def materialize(d: Optional[Delta], p: Any) -> Optional[torch.Tensor]:
     d = as_delta(d)
     if d is None or d.plain:
         return None if d is None else d.num
+    if isinstance(d.den, FusedAdam):
+        d = d.den.realize(d)
     s = d.numer / d.divisor
     # one new tensor, then in place (the values of torch.add / mul / div, without a second one)
     if d.coupled and d.wd != 0.0:  # SGD's L2 penalty: g + wd * p, as torch adds it

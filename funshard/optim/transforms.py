@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from .base import (Delta, EmptyState, GradientTransformation, RootDen, ScalarOrSchedule, Tree,
-                   as_delta, check, check_lr, chunks, flatten, group_by, local, lr_at, materialize,
-                   path_str, unflatten, zeros_tree)
+from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
+                   ScalarOrSchedule, Tree, as_delta, check, check_lr, chunks, flatten, group_by,
+                   local, lr_at, materialize, path_str, unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -69,10 +69,13 @@ def by_device(idx: list, grads: list, *lists: list) -> list[list[list]]:
     return [g for _, g in group_by([(t.device, t.dtype) for t in grads], idx, grads, *lists)]
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                  fused: bool = False) -> GradientTransformation:
     """Adam's direction ``m_hat / (sqrt(v_hat) + eps)`` (bias corrections use ``step + 1``).
 
     State :class:`AdamState` (``exp_avg``, ``exp_avg_sq``), zeros sharded like params.
+    ``fused=True``: the whole update waits for the parameter write, where one fused kernel
+    does it (``torch.optim.AdamW(fused=True)``'s; [Note: fused Adam] in :mod:`.apply`).
     """
     check("betas[0]", b1, 0.0 <= b1 < 1.0, "0 <= beta1 < 1")
     check("betas[1]", b2, 0.0 <= b2 < 1.0, "0 <= beta2 < 1")
@@ -87,6 +90,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         bias_correction1 = 1 - b1 ** float(step + 1)
         bias_correction2_sqrt = (1 - b2 ** float(step + 1)) ** 0.5
         out = list(leaves)
+        if fused:
+            for j, i in enumerate(idx):
+                u, g = as_delta(us[j]), None
+                if u.den is None and u.wd == 0.0 and not u.final:  # a pending scale only
+                    g, scale = u.num, u.numer / u.divisor
+                else:  # something else pending: its values (rare; a transient per leaf)
+                    g, scale = materialize(u, ps[j]), 1.0
+                out[i] = Delta(g, FusedAdam(m[j], v[j], b1, b2, eps, step, scale))
+            return unflatten(spec, out), state
         with torch.no_grad():
             # torch.optim's foreach Adam, a chunk of leaves at a time; the denominator stays
             # pending (RootDen) until the parameter is written ([Note: lean updates])
