@@ -1,4 +1,6 @@
-"""A stuck rank: run by tests/test_faults.py as ``python fault_timeout.py PORT RANK``."""
+"""A stuck rank: run by tests/test_faults.py as ``python fault_timeout.py PORT RANK [WHEN]``;
+WHEN ``later``: both ranks gather once first (the transport's handshake is done), then one
+is stuck."""
 
 import os
 import sys
@@ -12,6 +14,8 @@ port, rank = int(sys.argv[1]), int(sys.argv[2])
 os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 mesh = fs.make_mesh(timeout=2)
 s = fs.shard({"w": torch.randn(8, 4)}, mesh)
+if sys.argv[3:] == ["later"]:
+    fs.unshard(s)
 if rank == 1:
     time.sleep(20)  # stuck: never joins the all-gather
     sys.exit(0)

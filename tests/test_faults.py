@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 
-def test_stuck_rank_times_out_with_a_clear_error():
+@pytest.mark.parametrize("when", ["first", "later"])
+def test_stuck_rank_times_out_with_a_clear_error(when):
+    """A rank that never joins: in the first collective (the transport's handshake) or a
+    later one (a cross-memory wait)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = Path(__file__).with_name("fault_timeout.py")
-    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r)],
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), when],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     out, err = procs[0].communicate(timeout=120)
