@@ -39,6 +39,7 @@ POLICIES = {
     "c10d": {"transport": "c10d"},
     "checkpoint": {"checkpoint": True},
     "skip_nonfinite": {"skip_nonfinite": True},
+    "fused_adamw": {"_fused": True},  # fs.optim.adamw(fused=True) vs torch's, same device
 }
 
 
@@ -64,13 +65,16 @@ def step_equals_one_process(spec, policy):
     """Two AdamW steps on the mesh against torch's AdamW on one process over the whole batch
     (same device); the collectives of the last step; where the results live."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    policy = dict(policy)
+    fused = policy.pop("_fused", False)
     with forced(world):
         model = _gpt(dev)
         ref = copy.deepcopy(model)
-        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1),
+        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
                              policy=fs.Policy(**policy))
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1,
+                                **({"fused": True} if fused else {"foreach": True}))
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             b = _batch(g, world, dev)
