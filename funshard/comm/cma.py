@@ -53,10 +53,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..layout import byte_plan
 from . import failures
-from .base import Gathered, Transport, announce, new_padded
-from .p2p import _add_own_rows, _landing, _sum_landed
+from .base import Gathered, Transport, announce
+from .p2p import _add_own_rows, _landing, _sum_landed, own_rows
 
 RING = 64  # exchanges in flight per group before a post waits for peers to consume
 _SLOT = 5  # seq, kind, logical bytes, descriptor address, descriptor words
@@ -325,16 +324,9 @@ class CMA(Transport):
 
     def all_gather(self, layouts, shards, dtypes, pg, into, device, async_op) -> Gathered:
         """This rank's rows into its own full tensors; each peer's rows read from its."""
-        link, world, rank = link_of(pg), pg.size(), pg.rank()
-        bp = byte_plan(layouts, dtypes)
-        padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
-        own = [p[lay.start : lay.start + lay.local_rows] for p, lay in zip(padded, layouts)]
-        have = [i for i in bp.order if layouts[i].local_rows]
-        if have:  # casts to the gather dtype on the way in
-            torch._foreach_copy_([own[i] for i in have], [shards[i] for i in have])
-        nbytes = world * bp.segment
-        announce("all_gather", padded[bp.order[0]], nbytes, nbytes)
-        order = bp.order
+        link, world = link_of(pg), pg.size()
+        bp, padded, _ = own_rows(layouts, shards, dtypes, into, device, world)
+        nbytes, order = world * bp.segment, bp.order
 
         def plan(peer, words):
             reads = []

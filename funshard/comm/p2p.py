@@ -60,6 +60,21 @@ def _sum_landed(out: torch.Tensor, land: torch.Tensor, world: int) -> None:
         out.zero_()
 
 
+def own_rows(layouts, shards, dtypes, into, device, world: int):
+    """A direct all-gather's start: the padded full tensors (``into()`` or new), this rank's
+    rows copied into them (cast to the gather dtype), the exchange announced. Returns
+    ``(byte plan, padded, own rows)``."""
+    bp = byte_plan(layouts, dtypes)
+    padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
+    own = [p[lay.start : lay.start + lay.local_rows] for p, lay in zip(padded, layouts)]
+    have = [i for i in bp.order if layouts[i].local_rows]
+    if have:  # casts to the gather dtype on the way in
+        torch._foreach_copy_([own[i] for i in have], [shards[i] for i in have])
+    nbytes = world * bp.segment
+    announce("all_gather", padded[bp.order[0]], nbytes, nbytes)
+    return bp, padded, own
+
+
 class P2P(Transport):
     name = "p2p"
     borrows = True
@@ -68,14 +83,7 @@ class P2P(Transport):
         """This rank's rows into its own full tensors, then every leaf's rows to and from
         every peer."""
         world, rank = pg.size(), pg.rank()
-        bp = byte_plan(layouts, dtypes)
-        padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
-        own = [p[lay.start : lay.start + lay.local_rows] for p, lay in zip(padded, layouts)]
-        have = [i for i in bp.order if layouts[i].local_rows]
-        if have:  # casts to the gather dtype on the way in
-            torch._foreach_copy_([own[i] for i in have], [shards[i] for i in have])
-        nbytes = world * bp.segment
-        announce("all_gather", padded[bp.order[0]], nbytes, nbytes)
+        bp, padded, own = own_rows(layouts, shards, dtypes, into, device, world)
         tag, works = TAGS["all_gather"], []
         for peer in (p for p in range(world) if p != rank):
             for i in bp.order:
