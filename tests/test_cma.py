@@ -8,6 +8,7 @@ test, 2, 3, 4 ranks and 2x2); every step test on gloo runs on it, as "auto" pick
 import os
 
 import torch
+from hypothesis import given, strategies as st
 import torch.distributed as dist
 
 import funshard as fs
@@ -108,3 +109,23 @@ def test_different_collectives_are_named_on_every_rank(pools):
     for rank, msg in enumerate(pools.run(2, different_collectives, timeout=60)):
         assert "ranks started different collectives" in msg, (rank, msg)
         assert "all-gather of" in msg and "reduce-scatter of" in msg, (rank, msg)
+
+
+@given(sizes=st.lists(st.integers(0, 300), max_size=40), limit=st.integers(1, 200),
+       iov=st.integers(1, 5))
+def test_reads_are_split_into_calls_the_kernel_takes(sizes, limit, iov, monkeypatch):
+    """Each call moves at most the byte limit in at most IOV_MAX pieces; together the
+    pieces are exactly the reads asked for, in order."""
+    monkeypatch.setattr(cma, "_CALL_BYTES", limit)
+    monkeypatch.setattr(cma, "_IOV_MAX", iov)
+    pairs = [(10_000 * k, 10_000 * k + 5_000_000, n) for k, n in enumerate(sizes)]
+    runs = list(cma._runs(pairs))
+    assert all(sum(n for *_, n in r) <= limit and 0 < len(r) <= iov for r in runs)
+    got, want = [], []
+    for a, b, n in pairs:
+        want += [(a + i, b + i) for i in range(n)]
+    for r in runs:
+        for a, b, n in r:
+            assert n > 0
+            got += [(a + i, b + i) for i in range(n)]
+    assert got == want

@@ -61,6 +61,7 @@ RING = 64  # exchanges in flight per group before a post waits for peers to cons
 _SLOT = 5  # seq, kind, logical bytes, descriptor address, descriptor words
 _HEAD = 2  # token, (unused)
 _IOV_MAX = 1024
+_CALL_BYTES = 1 << 30
 _KINDS = {"all-gather": 1, "reduce-scatter": 2, "reduce-scatter from leaves": 3,
           "all-to-all": 4}
 _NAMES = {v: k for k, v in _KINDS.items()}
@@ -91,10 +92,25 @@ def _load_readv():
 _READV = _load_readv()
 
 
+def _runs(pairs: list[tuple[int, int, int]]):
+    """The triples in calls of at most ``_IOV_MAX`` pieces and ``_CALL_BYTES`` bytes (the
+    kernel copies at most about 2 GiB per call); a bigger piece is split."""
+    run, size = [], 0
+    for a, b, n in pairs:
+        while n:
+            take = min(n, _CALL_BYTES - size)
+            run.append((a, b, take))
+            a, b, n, size = a + take, b + take, n - take, size + take
+            if size == _CALL_BYTES or len(run) == _IOV_MAX:
+                yield run
+                run, size = [], 0
+    if run:
+        yield run
+
+
 def _read(pid: int, rank: int, pairs: list[tuple[int, int, int]]) -> None:
     """Copy ``(local address, remote address, bytes)`` triples from process ``pid``."""
-    for k in range(0, len(pairs), _IOV_MAX):
-        run = pairs[k:k + _IOV_MAX]
+    for run in _runs(pairs):
         loc = (_Iov * len(run))(*[(a, n) for a, _, n in run])
         rem = (_Iov * len(run))(*[(b, n) for _, b, n in run])
         want = sum(n for _, _, n in run)
