@@ -32,7 +32,10 @@ it; other machines use ``"p2p"``. Failures: a peer process that is gone ends the
 (:class:`~funshard.comm.failures.RankFailed` at once); past the process group's timeout the
 wait times out. A group uses this transport only if every rank passes a handshake through
 the store (same host, each can read each peer: ``FUNSHARD_CMA=0`` opts a rank out, and
-then ``"auto"`` is ``"p2p"`` on every rank of that group).
+then ``"auto"`` is ``"p2p"`` on every rank of that group). Reading a process takes the
+permission to trace it: the same user, and under Yama's ``ptrace_scope`` 1 a rank that
+offers this transport lets its user's processes read it (``PR_SET_PTRACER_ANY``); where
+that is not wanted, ``FUNSHARD_CMA=0``.
 """
 
 from __future__ import annotations
@@ -83,13 +86,19 @@ def _load_readv():
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iov), ctypes.c_ulong, ctypes.POINTER(_Iov),
                    ctypes.c_ulong, ctypes.c_ulong]
-    with contextlib.suppress(Exception):  # Yama ptrace_scope 1: let this user's peers read
-        libc.prctl(ctypes.c_int(0x59616D61), ctypes.c_ulong(2**64 - 1), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0))  # PR_SET_PTRACER, _ANY
     return fn
 
 
 _READV = _load_readv()
+
+
+def _let_peers_read() -> None:
+    """Under Yama's ptrace_scope 1 only a parent may read a process: let this user's other
+    processes (the peers) read this one (``PR_SET_PTRACER_ANY``). Called by a rank that
+    offers this transport, not on import."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(ctypes.c_int(0x59616D61), ctypes.c_ulong(2**64 - 1),
+                                ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _runs(pairs: list[tuple[int, int, int]]):
@@ -301,6 +310,8 @@ def _handshake(pg, link: _Link) -> _Link | None:
     n = int(store.add(f"{key}/joins", 1))
     base = f"{key}/{(n - 1) // world}"
     able = _READV is not None and os.environ.get("FUNSHARD_CMA", "1") != "0"
+    if able:
+        _let_peers_read()
     store.set(f"{base}/me/{rank}", json.dumps(
         {"pid": os.getpid(), "ctl": link.address, "token": link.token, "host": _host(),
          "able": able}))
