@@ -10,6 +10,7 @@ read them from here.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -23,9 +24,7 @@ from .mesh import REPLICATE, SHARD, mesh_str, shard_dim
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
 
 
-class Layout(NamedTuple):
-    """Where one leaf's local shard sits in its global tensor (uneven dim 0 included)."""
-
+class _Fields(NamedTuple):
     path: str
     shape: torch.Size  # global shape
     dtype: torch.dtype
@@ -33,41 +32,48 @@ class Layout(NamedTuple):
     world: int  # size of the "shard" mesh dimension
     rank: int  # this rank's coordinate on "shard"
 
-    @property
+
+class Layout(_Fields):
+    """Where one leaf's local shard sits in its global tensor (uneven dim 0 included).
+
+    A tuple of its six fields; what follows from them is computed once per layout and kept
+    (the step and the transports read these thousands of times per step)."""
+
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def chunk(self) -> int:
         """Rows per rank, padded: ``ceil(rows / world)``, as ``torch.chunk`` splits."""
         return -(-self.rows // self.world) if self.sharded else self.rows
 
-    @property
+    @functools.cached_property
     def start(self) -> int:
         return min(self.rows, self.rank * self.chunk) if self.sharded else 0
 
-    @property
+    @functools.cached_property
     def local_rows(self) -> int:
         if not self.sharded:
             return self.rows
         return min(self.rows, (self.rank + 1) * self.chunk) - self.start
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> torch.Size:
         if not self.shape:
             return self.shape
         return torch.Size((self.local_rows, *self.shape[1:]))
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements of one rank's (padded) chunk."""
         return self.chunk * self.row_numel
 
-    @property
+    @functools.cached_property
     def padded_shape(self) -> tuple[int, ...]:
         """Shape of the padded full tensor a gather writes: ``(world * chunk, *shape[1:])``."""
         return (self.world * self.chunk, *self.shape[1:])
