@@ -1,4 +1,4 @@
-"""The cross-memory transport (funshard.comm.cma): what the handshake decides, a queue that
+"""The cross-memory transport (funshard.comm.cma, .cma_link): what the handshake decides, a queue that
 wraps its ring, and ranks that start different collectives.
 
 Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 import torch.distributed as dist
 
 import funshard as fs
-from funshard.comm import cma
+from funshard.comm import cma, cma_link
 from funshard.comm.gather import choose
 from funshard.layout import layout_of
 
@@ -81,7 +81,7 @@ def many_in_flight(spec, n, seed):
 
 
 def test_more_exchanges_in_flight_than_the_ring_holds(pools):
-    n = cma.RING // 2 + 8  # two exchanges each: the ring wraps
+    n = cma_link.RING // 2 + 8  # two exchanges each: the ring wraps
     assert pools.run(2, many_in_flight, n, 3) == [[], []]
 
 
@@ -116,10 +116,10 @@ def test_different_collectives_are_named_on_every_rank(pools):
 def test_reads_are_split_into_calls_the_kernel_takes(sizes, limit, iov, monkeypatch):
     """Each call moves at most the byte limit in at most IOV_MAX pieces; together the
     pieces are exactly the reads asked for, in order."""
-    monkeypatch.setattr(cma, "_CALL_BYTES", limit)
-    monkeypatch.setattr(cma, "_IOV_MAX", iov)
+    monkeypatch.setattr(cma_link, "_CALL_BYTES", limit)
+    monkeypatch.setattr(cma_link, "_IOV_MAX", iov)
     pairs = [(10_000 * k, 10_000 * k + 5_000_000, n) for k, n in enumerate(sizes)]
-    runs = list(cma._runs(pairs))
+    runs = list(cma_link._runs(pairs))
     assert all(sum(n for *_, n in r) <= limit and 0 < len(r) <= iov for r in runs)
     got, want = [], []
     for a, b, n in pairs:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layout import Layout, byte_plan
 from ..mesh import SHARD, process_groups
 from .base import TRANSPORTS, Gathered, Transport, new_padded, skips, watch
-from . import cma
+from . import cma, cma_link
 from .c10d import C10d
 from .p2p import P2P
 
@@ -33,13 +33,13 @@ def choose(name: str, pg, device: torch.device) -> Transport:
     if name == "auto":
         if not gloo_cpu:
             return _IMPLS["c10d"]
-        return _IMPLS["cma" if cma.available(pg) else "p2p"]
+        return _IMPLS["cma" if cma_link.available(pg) else "p2p"]
     if name in ("p2p", "cma") and not gloo_cpu:
         raise ValueError(
             f"transport={name!r} moves CPU tensors between gloo ranks; this process group is "
             f"{dist.get_backend(pg)} on {device.type}: use 'c10d' or 'auto'."
         )
-    if name == "cma" and not cma.available(pg):
+    if name == "cma" and not cma_link.available(pg):
         raise ValueError(
             "transport='cma' reads peers' memory (process_vm_readv), which some rank of this "
             "process group cannot: not x86-64 Linux, ranks on other hosts, ptrace forbidden, "
