@@ -62,14 +62,16 @@ def norm_weights(layouts: Sequence[Layout], mesh) -> list[float]:
     return [1.0 / rep if lay.sharded else 1.0 / world for lay in layouts]
 
 
-def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float],
+def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor,
                   device: torch.device) -> torch.Tensor:
     """This rank's weighted share of the global squared norm (float64, on ``device``, the
-    gradients' device); all-reduced (summed) over the mesh it is the squared global norm."""
+    gradients' device); all-reduced (summed) over the mesh it is the squared global norm.
+    ``weights``: one per gradient, or already a float64 tensor of them on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm([g.float() for g in grads])
-    w = torch.tensor(list(weights), dtype=torch.float64, device=device)
+    w = (weights if isinstance(weights, torch.Tensor)
+         else torch.tensor(list(weights), dtype=torch.float64, device=device))
     return (torch.stack(norms).double() ** 2 * w).sum()
 
 

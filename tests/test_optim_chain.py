@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import funshard as fs
@@ -270,8 +272,10 @@ def test_chain_state_checkpoints_and_resumes_exactly(pools, tmp_path):
 @pytest.mark.parametrize("name", ["adamw", "clip+adamw", "clip+sgd"])
 def test_update_transient_at_most_the_largest_leaf(name):
     """[Note: lean updates]: the update's live-tensor peak over what lives before it is at most
-    the largest leaf (plus small scalars), not the sum of the leaves as a foreach over all of
-    them (Adam's denominators, clipped gradients) would make; the numbers stay torch's."""
+    the largest leaf or the chunk floor (plus small scalars), not the sum of the leaves as a
+    foreach over all of them (Adam's denominators, clipped gradients) would make; the numbers
+    stay torch's."""
+    from funshard.optim.base import CHUNK_FLOOR
     from funshard.testing import LivePeak, tensor_bytes
 
     opts = {"adamw": lambda: optim.adamw(1e-3),
@@ -279,7 +283,7 @@ def test_update_transient_at_most_the_largest_leaf(name):
             "clip+sgd": lambda: optim.chain(optim.clip_by_global_norm(1e-3),
                                             optim.sgd(1e-3, momentum=0.9, weight_decay=0.1))}
     torch.manual_seed(0)
-    shapes = [(256, 128)] * 6 + [(512, 128), (64,)]
+    shapes = [(1024, 512)] * 6 + [(1024, 1024), (64,)]  # the largest leaf is the floor
     params = {f"p{i}": torch.randn(s, requires_grad=True) for i, s in enumerate(shapes)}
     grads = {k: torch.randn(v.shape) for k, v in params.items()}
     opt = opts[name]()
@@ -289,7 +293,23 @@ def test_update_transient_at_most_the_largest_leaf(name):
         before = tensor_bytes(cpu)
         with LivePeak(cpu) as live:
             params, state = opt.update(grads, state, params, step=step)
-        largest = 512 * 128 * 4
+        largest = 1024 * 1024 * 4
+        assert largest == CHUNK_FLOOR * 4
         total = sum(g.nbytes for g in grads.values())
         assert live.peak - before <= largest + 4096, (name, step, live.peak - before, largest)
         assert total > 4 * largest
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3 << 20), min_size=1, max_size=40))
+def test_chunks_partition_the_leaves_within_the_bound(sizes):
+    """Every leaf in exactly one run; a run holds at most max(largest leaf, CHUNK_FLOOR)
+    elements; leaves that fit under the floor together make one run (one foreach call)."""
+    from funshard.optim.base import CHUNK_FLOOR, _packed
+
+    runs = _packed(tuple(sizes))
+    assert sorted(j for r in runs for j in r) == list(range(len(sizes)))
+    limit = max(max(sizes), CHUNK_FLOOR)
+    assert all(sum(sizes[j] for j in r) <= limit for r in runs)
+    if sum(sizes) <= CHUNK_FLOOR:
+        assert len(runs) == 1

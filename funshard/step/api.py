@@ -264,21 +264,23 @@ def _empty_batch(batch: Any) -> str:
 
 
 def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
-    """Loss (mean over ranks) and global gradient norm: one all-reduce for both."""
+    """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
+    the host. The step's constant tensors (norm weights, the order's sums) are made once."""
     present = [i for i, g in enumerate(out.grads) if g is not None]
-    sq = local_sq_norm([out.grads[i] for i in present], [params.norm_weight[i] for i in present],
-                       params.device)
-    both = torch.cat([torch.stack([out.loss_sum / k, sq]),
-                      torch.tensor(agree.order_sums(out.order), dtype=torch.float64,
-                                   device=sq.device)])
+    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
+                               lambda: [params.norm_weight[i] for i in present])
+    sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
+    order = params.on_device(("order", out.order), torch.float64,
+                             lambda: agree.order_sums(out.order))
+    both = torch.cat([torch.stack([out.loss_sum / k, sq]), order])
     if not comm.skips(params.world):
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
-    both = both.cpu()
-    agree.check_order(both[2:].tolist(), params, out.order)
+    loss, sq_norm, *sums = both.tolist()  # the step's one wait for the device
+    agree.check_order(sums, params, out.order)
     metrics = {
-        "loss": both[0].item() / params.world,
-        "grad_norm": both[1].clamp_min(0).sqrt().item(),
+        "loss": loss / params.world,
+        "grad_norm": math.sqrt(sq_norm) if sq_norm > 0 else 0.0 if sq_norm <= 0 else math.nan,
         "unsharded_groups_peak": out.peaks[0],
         "unsharded_bytes_peak": out.peaks[1],
         "skipped": 0,

@@ -6,8 +6,9 @@ added after the first step has shown the order the groups are used in.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from .. import pytree
@@ -53,11 +54,23 @@ class ParamGroups:
         self.group_bytes = [sum(self.leaf_bytes(i) for i in idx if layouts[i].sharded)
                             for idx in self.members]
         self.schedule: Schedule | None = None  # learned on the first step
+        self._consts: dict = {}  # see on_device
         if mesh.size() != dist.get_world_size():
             raise ValueError(
                 f"train_step: the mesh {mesh_str(mesh)} has {mesh.size()} ranks but "
                 f"the world has {dist.get_world_size()}; build it with fs.make_mesh()."
             )
+
+    def on_device(self, key: Any, dtype: torch.dtype, values: Callable[[], list]) -> torch.Tensor:
+        """A constant tensor of the step (``values()``, on this rank's device), made the first
+        time ``key`` is asked for: no host-to-device copy per step. A few keys per tree (the
+        norm weights of the leaves with gradients, the groups' order), so a small dict."""
+        t = self._consts.get(key)
+        if t is None:
+            if len(self._consts) >= 64:  # keys that change every step: keep the newest
+                self._consts.clear()
+            t = self._consts[key] = torch.tensor(values(), dtype=dtype, device=self.device)
+        return t
 
     def leaf_bytes(self, i: int) -> int:
         """Full (padded) bytes of leaf ``i`` in its compute dtype."""
