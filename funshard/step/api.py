@@ -312,16 +312,16 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     optimizer = optim_clip.with_policy(optimizer, clip_norm=policy.clip_norm,
                                        skip_nonfinite=policy.skip_nonfinite)
 
-    def groups_for(params: Tree) -> ParamGroups:
+    def groups_for(params: Tree) -> tuple[ParamGroups, list]:
         leaves, spec = pytree.flatten(params)
         key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
         if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
             cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
-        return cache[key]
+        return cache[key], leaves
 
     def init(params: Tree, buffers: Tree = None) -> TrainState:
         with comm.failures.call("train_step.init"):
-            groups = groups_for(params)
+            groups = groups_for(params)[0]
             if buffers is not None:
                 buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
             bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
@@ -340,8 +340,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         if torch.is_inference_mode_enabled():
             raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                                "gradient can be computed; call it outside.")
-        params = groups_for(state.params)
-        leaves = pytree.flatten(state.params)[0]
+        params, leaves = groups_for(state.params)
         donations.check(state, leaves)
         shards = [d._local_tensor.detach().requires_grad_(t)
                   for d, t in zip(leaves, params.trainable)]
@@ -354,7 +353,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                 buffers_.sync(policy.buffers, work, params.mesh)
                 buffers_.write_back(bleaves, work)
             new_state = new_state._replace(buffers=state.buffers)
-        return donations.remember(new_state), metrics
+        # the optimizer updates the leaves in place: the new state holds the same tensors
+        return donations.remember(new_state, leaves[0] if leaves else None), metrics
 
     return TrainStep(init, apply)
 

@@ -17,11 +17,19 @@ class Donations:
     def __init__(self):
         self._by_id: dict[int, tuple[weakref.ref, int]] = {}
 
-    def remember(self, state):
-        leaves = pytree.flatten(state.params)[0]
-        if leaves:
-            self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items() if r() is not None}
-            self._by_id[id(leaves[0])] = (weakref.ref(leaves[0]), state.step)
+    _NOT_GIVEN = object()
+
+    def remember(self, state, first=_NOT_GIVEN):
+        """Remember ``state`` as the latest of its tree (``first``: its first parameter leaf,
+        when the caller has it: None for an empty tree)."""
+        if first is Donations._NOT_GIVEN:
+            leaves = pytree.flatten(state.params)[0]
+            first = leaves[0] if leaves else None
+        if first is not None:
+            if len(self._by_id) > 1:  # several trees: drop the ones that died
+                self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items()
+                               if r() is not None}
+            self._by_id[id(first)] = (weakref.ref(first), state.step)
         return state
 
     def check(self, state, leaves: list) -> None:

@@ -170,8 +170,7 @@ class Group:
 
     def gather(self) -> tuple[torch.Tensor, ...]:
         """SHARDED | GATHERING -> GATHERED (or ALIASED): the group's full tensors."""
-        p = self.params
-        if comm.skips(p.world) and all(p.dtypes[i] == self.shards[i].dtype for i in self.idx):
+        if comm.skips(self.params.world) and self.params.uncast[self.gi]:
             # a world of one with no cast: the shards are the full tensors; nothing to gather
             self.fulls = [self.shards[i].view_as(self.shards[i]) for i in self.idx]
             self.bases = list(self.fulls)

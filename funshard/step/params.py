@@ -48,6 +48,9 @@ class ParamGroups:
                            for idx in self.members]
         self.dtypes = [compute_dtype(leaf.dtype, policy.param_dtype) for leaf in leaves]
         self.world = mesh.size()
+        # per group: no leaf is cast (on a world of one its shards are its full tensors)
+        self.uncast = [all(self.dtypes[i] == leaves[i].dtype for i in idx)
+                       for idx in self.members]
         # where this rank's shards live: everything the step makes goes there
         self.device = leaves[0].device if leaves else mesh_device(mesh)
         self.norm_weight = norm_weights(layouts, mesh)

@@ -79,11 +79,22 @@ def in_function_forward() -> bool:
 
 
 
-@contextlib.contextmanager
 def own_ops(grad: bool):
     """The step's gather and binding, kept out of a selective-checkpointing region's op
     cache (its dispatch modes would record or replay them), with grad on where the op runs
-    under no_grad (a group's first gather enters autograd)."""
+    under no_grad (a group's first gather enters autograd). Nothing to do (no dispatch
+    mode, grad already on) is the usual case: a shared empty context then."""
+    if not grad and not _dispatch_depth():
+        return _NOTHING
+    return _own_ops(grad)
+
+
+_NOTHING = contextlib.nullcontext()
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+
+
+@contextlib.contextmanager
+def _own_ops(grad: bool):
     with contextlib.ExitStack() as stack:
         if any(type(m).__name__ in _SAC_MODES for m in _dispatch_stack()):
             stack.enter_context(_without_sac())
