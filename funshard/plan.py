@@ -153,7 +153,7 @@ def plan(
     if n_state is None:
         raise ValueError(f"plan: optimizer={optimizer!r}; use 'adamw', 'sgd_momentum' or 'sgd'")
     t = _tree(shapes, shard, policy)
-    sched = _schedule(t, policy, forward, backward)
+    sched = _schedule(t, policy, forward, backward, gathers=shard * replicate > 1)
     comms = _gather_traffic(t, sched, policy, shard)
     comms.update(_reduce_traffic(t, policy, shard, replicate))
     comms = {k: v for k, v in comms.items() if v.count}
@@ -190,7 +190,7 @@ def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
     return _Tree(lays, [t for *_, t in leaves], dtypes, groups, members, group_bytes, pbytes)
 
 
-def _schedule(t: _Tree, policy: Policy, forward, backward) -> Schedule:
+def _schedule(t: _Tree, policy: Policy, forward, backward, gathers: bool) -> Schedule:
     """The step's :class:`Schedule` for a stated order; backward is assumed to reach a
     group's leaves in reverse parameter order (for the kept group's split)."""
     index = {g: k for k, g in enumerate(t.groups)}
@@ -208,7 +208,7 @@ def _schedule(t: _Tree, policy: Policy, forward, backward) -> Schedule:
         return pos, pos[::-1], [t.lays[i].full_bytes(t.dtypes[i]) for i in idx]
 
     return make_schedule(_dedupe(fwd), bwd, reshard_after_forward=policy.reshard_after_forward,
-                         kept_leaves=kept_leaves)
+                         kept_leaves=kept_leaves, gathers=gathers)
 
 
 def _memory(t: _Tree, sched: Schedule, policy: Policy, n_state: int) -> dict[str, int]:

@@ -40,7 +40,7 @@ def _leaves(sharded, first, nbytes):
 def test_full_shard_keeps_last_block_and_splits_it():
     # the last block: leaf 2 (the MLP's output projection) is what backward needs first
     s = make_schedule(GPT_FWD, GPT_BWD, reshard_after_forward=True,
-                      kept_leaves=_leaves([0, 1, 2], [2, 1, 0], [40, 40, 40]))
+                      kept_leaves=_leaves([0, 1, 2], [2, 1, 0], [40, 40, 40]), gathers=True)
     assert s == Schedule((0, 1, 2, 3, 0), (2, 1), 3, (0, 1))
     assert s.next_after(False, 0) == 0 and s.next_after(False, 3) == 3
     assert s.next_after(False, 5) is None
@@ -50,16 +50,18 @@ def test_full_shard_keeps_last_block_and_splits_it():
 
 def test_shard_grad_op_keeps_nothing():
     s = make_schedule([0, 1, 2, 3], [], reshard_after_forward=False,
-                      kept_leaves=_leaves([], [], []))
+                      kept_leaves=_leaves([], [], []), gathers=True)
     assert s == Schedule((0, 1, 2, 3), (), None, ())
-    assert kept_into_backward([0, 1, 2], [2, 1], False) is None
+    assert kept_into_backward([0, 1, 2], [2, 1], False, True) is None
 
 
 def test_kept_only_when_forward_used_it_last():
-    assert kept_into_backward([0, 1, 2], [2, 1, 0], True) == 2
-    assert kept_into_backward([0, 1, 2, 0], [2, 1], True) == 2  # second to last counts
-    assert kept_into_backward([0, 1, 2, 3], [1, 0], True) is None  # not among the last two
-    assert kept_into_backward([0, 1], [], True) is None
+    assert kept_into_backward([0, 1, 2], [2, 1, 0], True, True) == 2
+    assert kept_into_backward([0, 1, 2, 0], [2, 1], True, True) == 2  # second to last counts
+    assert kept_into_backward([0, 1, 2, 3], [1, 0], True, True) is None  # not among the last two
+    assert kept_into_backward([0, 1], [], True, True) is None
+    # a world of one: no all-gather to save, only memory to hold
+    assert kept_into_backward([0, 1, 2], [2, 1, 0], True, False) is None
 
 
 @pytest.mark.parametrize("first,nbytes,late", [

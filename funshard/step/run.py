@@ -249,7 +249,7 @@ class Run:
 
             p.schedule = make_schedule(self.seen[False], self.seen[True],
                                        reshard_after_forward=self.policy.reshard_after_forward,
-                                       kept_leaves=kept_leaves)
+                                       kept_leaves=kept_leaves, gathers=not comm.skips(p.world))
 
     def release(self) -> None:
         """Drop every tensor this run holds (see [Note: a group's life])."""
