@@ -25,6 +25,7 @@ live tensors grow between steps (a leak). Collectives: counted per step by kind 
     python -m benchmarks.bench --world 4 --blocks 4   # adds the 2x2 hybrid mesh
     torchrun --nproc-per-node 8 -m benchmarks.bench --device cuda
     python -m benchmarks.bench --shapes A,B,C --rounds 4   # issue 18's table (and Muon on A)
+    python -m benchmarks.bench --single small,large --device cuda   # issue 16's, one GPU
     python -m benchmarks.bench --simulate 1024 --mesh 8x128 --params 7e9 --vocab 32000 \\
         --seq 2048 --param-dtype bfloat16            # scaling on paper, no collectives
 
@@ -50,6 +51,7 @@ from .modes import MODES, Config, default_modes, hsdp_ok
 from .shapes import LABELS, SHAPES
 from .report import shapes_table, summarize, table
 from .simulate import simulate
+from .single import single_configs, single_table
 
 
 def run(cfg: Config, *, memory: bool = True, overhead: bool = True) -> dict:
@@ -110,6 +112,9 @@ def parse(argv=None):
     ap.add_argument("--fused", action="store_true",
                     help="AdamW as one fused kernel in every mode (torch.optim.AdamW(fused=True), "
                          "fs.optim.adamw(fused=True)) instead of foreach")
+    ap.add_argument("--single", default="", metavar="small,large",
+                    help="issue 16's table: world 1 on --device, the plain step, FSDP2 and "
+                         "funshard on these GPT shapes in float32 and bfloat16")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the *_compile modes")
     ap.add_argument("--simulate", type=int, default=0, metavar="WORLD",
@@ -164,10 +169,24 @@ def run_shapes(args) -> dict:
     return {"shapes": outs}
 
 
+def run_single(args) -> dict:
+    """Issue 16's comparison on one device: each shape and precision in its own launches."""
+    outs = {}
+    for label, cfg in single_configs(config_of(args), args.single):
+        out = run(cfg, memory=not args.no_memory, overhead=False)
+        print(f"\n## {label}\n\n{table(out)}", flush=True)
+        outs[label] = out
+    print(f"\n## issue 16: one {args.device} device, world 1, AdamW"
+          f"{' (fused)' if args.fused else ''}\n\n{single_table(outs)}")
+    return {"single": outs}
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.shapes:
         out = run_shapes(args)
+    elif args.single:
+        out = run_single(args)
     elif args.simulate:
         out = simulate(args)
     else:

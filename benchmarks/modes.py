@@ -20,7 +20,7 @@ import os
 from typing import Callable, NamedTuple
 
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from funshard import Policy, eval_step, make_mesh, shard, train_step
@@ -70,10 +70,22 @@ class Config:
     profile: tuple[str, ...] = ()
     compile_backend: str = "inductor"  # the *_compile modes' torch.compile backend
     fused: bool = False  # AdamW as one fused kernel (every mode) instead of foreach
+    # "bf16": compute in bfloat16, reduce and keep master weights in float32 (funshard's
+    # Policy(param_dtype, reduce_dtype), FSDP2's MixedPrecisionPolicy, autocast elsewhere)
+    precision: str = "fp32"
 
     @property
     def heads(self) -> int:
         return max(1, self.dim // 64)
+
+
+def mixed(cfg: Config) -> dict:
+    """The mixed-precision policy's dtypes (``param_dtype``, ``reduce_dtype``), or {}."""
+    if cfg.precision == "fp32":
+        return {}
+    if cfg.precision == "bf16":
+        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    raise ValueError(f"bench: precision {cfg.precision!r}: use fp32 or bf16")
 
 
 def default_modes(world: int) -> tuple[str, ...]:
@@ -141,7 +153,7 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         step = train_step(loss_fn, opt,
                           policy=Policy(reshard_after_forward=raf,
                                         prefetch=not name.endswith("noprefetch"),
-                                        checkpoint=name.endswith("_ac")))
+                                        checkpoint=name.endswith("_ac"), **mixed(cfg)))
         box, info = [step.init(params)], {}
 
         def run(batch):
@@ -163,9 +175,12 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         if name.endswith("_compile"):
             for block in model.layers:
                 block.compile(backend=cfg.compile_backend)
+        mp = {}
+        if mixed(cfg):
+            mp["mp_policy"] = MixedPrecisionPolicy(**mixed(cfg))
         for block in model.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=raf)
-        fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+            fully_shard(block, mesh=mesh, reshard_after_forward=raf, **mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=raf, **mp)
     elif name == "ddp":
         dev = device_of(cfg)
         model = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda"
@@ -175,8 +190,12 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                             **({"fused": True} if cfg.fused else {"foreach": True}))
 
+    autocast = name in ("floor", "ddp") and bool(mixed(cfg))  # FSDP2 casts by its policy
+    dev_type = device_of(cfg).type
+
     def run(batch):
-        loss = shapes.plain_loss(cfg, model, batch)
+        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=autocast):
+            loss = shapes.plain_loss(cfg, model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=name != "ddp")  # DDP's grads are views of its buckets

@@ -218,3 +218,32 @@ def test_bench_checkpointing_modes(pools):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[6] != "-" and cells[7] != "-", row
     assert res["modes"]["funshard_full_compile"]["x_twin"] > 0
+
+
+def test_bench_single_table(pools):
+    """Issue 16's table at world 1: the plain step, FSDP2 and funshard in float32 and in
+    bfloat16 (autocast, MixedPrecisionPolicy, Policy(param_dtype, reduce_dtype)), with the
+    targets; funshard's peak is at most FSDP2's in both (no block kept into backward)."""
+    from benchmarks.single import MODES, single_table
+
+    outs = {}
+    for precision in ("fp32", "bf16"):
+        timing, memory = pools.run(1, pipeline, MODES, world=1, precision=precision)[0]
+        cfg = Config(**{**TINY, "world": 1, "precision": precision}, modes=MODES)
+        outs[f"small {precision}"] = summarize(cfg, timing, memory, overhead=None)
+    ours = {k: out["modes"]["funshard_full"] for k, out in outs.items()}
+    # float32 on a world of one gathers nothing; bfloat16 casts each group once
+    assert ours["small fp32"]["unsharded_bytes_peak"] == 0
+    assert ours["small bf16"]["unsharded_bytes_peak"] > 0
+    text = single_table(outs)
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()
+            if line.startswith("| small")}
+    assert set(rows) >= {"small fp32", "small bf16"}, text
+    targets = {line.split("|")[1].strip(): line.split("|")[4].strip()
+               for line in text.splitlines() if line.startswith("| small") and ":" in line}
+    assert set(targets) == {"small fp32: funshard / plain",
+                            "small fp32: peak memory funshard / FSDP2",
+                            "small bf16: peak memory funshard / FSDP2"}, text
+    assert targets["small fp32: peak memory funshard / FSDP2"] == "yes", text
+    assert targets["small bf16: peak memory funshard / FSDP2"] == "yes", text
+    json.dumps(outs)
