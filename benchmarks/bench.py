@@ -112,6 +112,9 @@ def parse(argv=None):
     ap.add_argument("--fused", action="store_true",
                     help="AdamW as one fused kernel in every mode (torch.optim.AdamW(fused=True), "
                          "fs.optim.adamw(fused=True)) instead of foreach")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                    help="bf16: compute in bfloat16, reduce and keep master weights in float32 "
+                         "(funshard's Policy, FSDP2's MixedPrecisionPolicy, autocast elsewhere)")
     ap.add_argument("--single", default="", metavar="small,large",
                     help="issue 16's table: world 1 on --device, the plain step, FSDP2 and "
                          "funshard on these GPT shapes in float32 and bfloat16")
@@ -145,7 +148,8 @@ def config_of(args) -> Config:
                  batch=args.batch, rounds=args.rounds, warmup=max(2, args.warmup),
                  steps=args.steps, modes=modes, device=args.device, threads=threads,
                  profile=tuple(m for m in args.profile.split(",") if m),
-                 compile_backend=args.compile_backend, fused=args.fused)
+                 compile_backend=args.compile_backend, fused=args.fused,
+                 precision=args.precision)
     return dataclasses.replace(cfg, **SHAPES[args.shape])
 
 

@@ -34,12 +34,13 @@ MODES = ("floor", "fsdp2_full", "funshard_full")
 
 
 def single_configs(base: Config, names: str) -> list[tuple[str, Config]]:
-    """``(label, config)`` per shape and precision: world 1, the three modes."""
+    """``(label, config)`` per shape and precision (both, unless ``base`` asks for bf16):
+    world 1, the three modes."""
     out = []
     for name in names.split(","):
         if name not in SINGLE:
             raise SystemExit(f"bench: --single takes {', '.join(SINGLE)}, got {name!r}")
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16") if base.precision == "fp32" else ("bf16",):
             cfg = dataclasses.replace(base, world=1, modes=MODES, precision=precision,
                                       **SINGLE[name])
             out.append((f"{name} {precision}", cfg))

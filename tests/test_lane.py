@@ -248,16 +248,19 @@ def test_demo_on_device(tmp_path):
 
 
 @NO_DEVICE
-def test_benchmark_short_on_device(tmp_path):
-    """The benchmark's short mode on one device: funshard, FSDP2 and the floor, with ratios."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_benchmark_short_on_device(tmp_path, precision):
+    """The benchmark's short mode on one device: funshard, FSDP2 and the floor, with ratios;
+    in bfloat16 too (funshard's Policy, FSDP2's MixedPrecisionPolicy, the floor's autocast)."""
     out = tmp_path / "bench.json"
     proc = _run(["-m", "benchmarks.bench", "--device", DEVICE, "--world", "1", "--blocks", "2",
                  "--dim", "32", "--seq", "16", "--batch", "2", "--rounds", "1", "--warmup", "1",
-                 "--steps", "1", "--no-memory", "--no-overhead",
+                 "--steps", "1", "--no-memory", "--no-overhead", "--precision", precision,
                  "--modes", "funshard_full,fsdp2_full,floor", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["modes"]["funshard_full"]["x_twin"] > 0 and res["modes"]["funshard_full"]["x_floor"] > 0
+    assert res["config"]["precision"] == precision
 
 
 def test_the_cuda_lane_without_a_gpu_skips_saying_why():
