@@ -142,6 +142,15 @@ def test_checkpointed_model_trains_as_one_process(pools, kind, raf):
         assert gathers <= plain, (rank, gathers, plain)  # checkpointing costs no all-gather
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpointed_model_on_one_rank(pools, kind):
+    """A world of one with no cast: the parameters enter autograd as leaves (Group.alias),
+    and each kind of checkpointing recomputes with them as one process does."""
+    for err, gathers, plain in pools.run(1, parity, kind, True):
+        assert err < 1e-5, err
+        assert gathers == plain == 0, (gathers, plain)
+
+
 @pytest.mark.parametrize("kind", ["gpt_two_blocks", "llama_non_reentrant", "llama_reentrant"])
 def test_checkpointed_model_on_2x2(pools, kind):
     for rank, (err, gathers, plain) in enumerate(pools.run("2x2", parity, kind, True)):

@@ -79,6 +79,15 @@ def frozen_parity(spec, raf, steps=3, per_rank=3):
             "groups": [gi.name for gi in fs.list_groups(fs.params(model))]}
 
 
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_frozen_leaves_on_one_rank(pools, raf):
+    """A world of one with no cast (Group.alias): frozen leaves of every dtype stay as they
+    were, the rest trains as one process; nothing is reduced."""
+    r = pools.run(1, frozen_parity, raf)[0]
+    assert r["err"] < 1e-6 and r["frozen_equal"], r
+    assert r["reduce_scatter"] == 0, r
+
+
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_integer_and_bool_frozen_leaves_train_as_one_process(pools, spec, raf):

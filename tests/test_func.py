@@ -102,7 +102,7 @@ def penalty_parity(spec, raf, steps=3, per_rank=2):
     return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)  # 1: the leaves of Group.alias
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_gradient_penalty_through_the_step_equals_one_process(pools, spec, raf):
     for err in pools.run(spec, penalty_parity, raf):

@@ -109,10 +109,19 @@ def test_partial_gathering_free_finishes_first():
 
 def test_aliased_world_of_one_without_cast():
     g, shards = make_group(cast=None)
-    fulls = g.gather()
+    shards[0].requires_grad_()
+    assert g.aliases
+    g.alias()
+    fulls = g.fulls
     assert g.state is S.ALIASED
     assert all(f.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
                for f, s in zip(fulls, shards))
+    # autograd leaves of their own: a trainable one requires grad, and its gradient stays
+    # in its .grad for the run to hand over
+    assert fulls[0].is_leaf and fulls[0].requires_grad and fulls[0] is not shards[0]
+    assert not fulls[1].requires_grad
+    (fulls[0] * 2).sum().backward()
+    assert torch.equal(fulls[0].grad, torch.full_like(shards[0], 2.0)) and shards[0].grad is None
     g.free()
     g.release_leaf(0)
     assert g.state is S.ALIASED and g.bases[0] is not None  # the shards are never freed

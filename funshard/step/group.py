@@ -25,7 +25,8 @@ when backward needs them. One group's life in a FULL_SHARD step::
 - SHARD_GRAD_OP (``reshard_after_forward=False``) skips the middle: a group is gathered
   once and freed at the end of its backward.
 - A world of one with no cast has nothing to gather: the shards are the full tensors
-  (ALIASED), never freed.
+  (ALIASED), never freed; they enter autograd as leaves, as a plain step's parameters do
+  (:meth:`Group.alias`), and their gradients are handed over when backward is done.
 - Each trainable leaf's gradient reaches the group's reduce bucket through one autograd
   node (:mod:`.grads`); when backward is done with the group its bucket is reduce-scattered
   (one collective), finished before backward gathers the next group.
@@ -168,14 +169,24 @@ class Group:
             self.versions.__exit__(None, None, None)
             self.versions = None
 
+    @property
+    def aliases(self) -> bool:
+        """A world of one with no cast: the shards are the full tensors (see :meth:`alias`)."""
+        return comm.skips(self.params.world) and self.params.uncast[self.gi]
+
+    def alias(self) -> None:
+        """SHARDED -> ALIASED: nothing to gather. Each full tensor is a new autograd leaf on
+        its shard's storage (trainable leaves require grad), so the group enters autograd as
+        a plain step's parameters do: its gradients accumulate in the leaves' ``.grad``,
+        with no node of the step's in the graph, and the run hands them over when the
+        micro-batch's backward is done (:meth:`Run.finish`)."""
+        self.fulls = [self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
+                      for i in self.idx]
+        self.bases = list(self.fulls)
+        self.move(S.ALIASED)
+
     def gather(self) -> tuple[torch.Tensor, ...]:
-        """SHARDED | GATHERING -> GATHERED (or ALIASED): the group's full tensors."""
-        if comm.skips(self.params.world) and self.params.uncast[self.gi]:
-            # a world of one with no cast: the shards are the full tensors; nothing to gather
-            self.fulls = [self.shards[i].view_as(self.shards[i]) for i in self.idx]
-            self.bases = list(self.fulls)
-            self.move(S.ALIASED)
-            return tuple(self.fulls)
+        """SHARDED | GATHERING -> GATHERED: the group's full tensors."""
         pending = self.pending or self.launch(async_op=False)
         self.pending = None
         got = pending.wait()

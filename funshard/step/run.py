@@ -72,8 +72,7 @@ class Run:
 
     def gather(self, group: Group) -> tuple:
         fulls = group.gather()
-        if group.state is not S.ALIASED:
-            self.note_peak()
+        self.note_peak()
         return fulls
 
     def note_peak(self) -> None:
@@ -230,9 +229,22 @@ class Run:
         if late and not self.checkpointing and self.groups[kept].state is S.GATHERED:
             self.groups[kept].free_leaves(list(late))
 
+    def hand_over(self, group: Group) -> None:
+        """Backward is done with an ALIASED group (:meth:`Group.alias`): its leaves'
+        gradients go to its bucket as :meth:`backward_done` puts a gathered group's."""
+        group.ended = True
+        pos = [k for k in self.params.grad_pos[group.gi] if group.fulls[k].grad is not None]
+        for k in pos:  # fulls[k] holds the leaf, bound or not (see Group.bind_all)
+            self.grads.put(group, k, group.fulls[k].grad)
+        if self.sync and pos:
+            self.grads.launch(group)
+
     def finish(self) -> None:
         while self.installed:  # fs.call's installations, last first
             self.installed.pop()[1].close()
+        for g in self.groups:
+            if g.state is S.ALIASED:
+                self.hand_over(g)
         self.grads.wait()
         self.saved.prefetch_when_done = None
         for g in self.groups:
