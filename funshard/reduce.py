@@ -69,7 +69,7 @@ def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torc
     ``weights``: one per gradient, or already a float64 tensor of them on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g.float() for g in grads])
+    norms = torch._foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
     w = (weights if isinstance(weights, torch.Tensor)
          else torch.tensor(list(weights), dtype=torch.float64, device=device))
     return (torch.stack(norms).double() ** 2 * w).sum()

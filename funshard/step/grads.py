@@ -47,6 +47,14 @@ class Reductions:
         """Leaf ``k``'s gradient for this micro-batch is complete: add it to the bucket."""
         self.bucket(group).put(self.params.slot[group.gi][k], grad, add=True)
 
+    def put_all(self, group, grads: list) -> None:
+        """:meth:`put` of ``(k, grad)`` pairs, the bucket found once."""
+        if not grads:
+            return
+        bucket, slot = self.bucket(group), self.params.slot[group.gi]
+        for k, grad in grads:
+            bucket.put(slot[k], grad, add=True)
+
     def launch(self, group) -> None:
         """Start reducing the group's bucket (after the step's last micro-batch)."""
         bucket = self.bucket(group)

@@ -167,9 +167,7 @@ class Run:
         self.prefetch_after(group)  # if unpacking did not already
         pos = self.params.grad_pos[group.gi]
         if not self.tapped:
-            for k in pos:
-                if grads[k] is not None:
-                    self.grads.put(group, k, grads[k])
+            self.grads.put_all(group, [(k, grads[k]) for k in pos if grads[k] is not None])
         if self.sync and pos:
             self.grads.launch(group)
 
@@ -233,11 +231,13 @@ class Run:
         """Backward is done with an ALIASED group (:meth:`Group.alias`): its leaves'
         gradients go to its bucket as :meth:`backward_done` puts a gathered group's."""
         group.ended = True
-        pos = [k for k in self.params.grad_pos[group.gi] if group.fulls[k].grad is not None]
-        for k in pos:  # fulls[k] holds the leaf, bound or not (see Group.bind_all)
-            self.grads.put(group, k, group.fulls[k].grad)
-        if self.sync and pos:
-            self.grads.launch(group)
+        # fulls[k] holds the leaf, bound or not (see Group.bind_all)
+        got = [(k, g) for k, g in ((k, group.fulls[k].grad)
+                                   for k in self.params.grad_pos[group.gi]) if g is not None]
+        if got:
+            self.grads.put_all(group, got)
+            if self.sync:
+                self.grads.launch(group)
 
     def finish(self) -> None:
         while self.installed:  # fs.call's installations, last first
