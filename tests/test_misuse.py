@@ -260,6 +260,11 @@ def unsupported(spec, what):
             (a,) = ctx.saved_tensors
             return None, g.t() @ a
 
+    def backward_in_loss_fn(p, b):
+        loss = torch.nn.functional.mse_loss(out(p, b[0]), b[1])
+        loss.backward(retain_graph=True)  # the step differentiates the loss again
+        return loss
+
     def in_place(p, b):
         p["2.bias" if what == "in_place" else "0.bias"].add_(1.0)
         return torch.nn.functional.mse_loss(out(p, b[0]), b[1])
@@ -277,6 +282,7 @@ def unsupported(spec, what):
         "in_place": in_place,
         "in_place_frozen": in_place,
         "batchnorm_buffers": lambda p, b: torch.nn.functional.mse_loss(out(p, b[0]), b[1]),
+        "backward_in_loss_fn": backward_in_loss_fn,
     }
     class Checkpointed(nn.Module):
         def __init__(self):
@@ -317,6 +323,7 @@ UNSUPPORTED = {
     "in_place": "loss_fn wrote into parameter '2.bias' in place",
     "in_place_frozen": "loss_fn wrote into parameter '0.bias' in place",
     "batchnorm_buffers": "'1.running_mean' is a BatchNorm running statistic",
+    "backward_in_loss_fn": "received gradients while loss_fn was running",
 }
 
 
@@ -327,13 +334,16 @@ def test_unsupported_is_refused_by_name(pools, what):
         assert UNSUPPORTED[what] in msg and unchanged, (rank, msg)
 
 
-@pytest.mark.parametrize("what", ["in_place", "in_place_frozen"])
+@pytest.mark.parametrize("what", ["in_place", "in_place_frozen", "backward_in_loss_fn"])
 def test_in_place_is_refused_on_one_rank(pools, what):
     """A world of one with no cast computes on the shards themselves (nothing is gathered):
-    a write into a parameter would change the state outside the optimizer."""
+    a write into a parameter would change the state outside the optimizer; the parameters
+    are autograd leaves there, so a backward inside loss_fn would fill their gradients."""
     for t, msg, unchanged in pools.run(1, unsupported, what):
         assert t == "RuntimeError", (t, msg)
         assert UNSUPPORTED[what] in msg, msg
+        if what == "backward_in_loss_fn":
+            assert unchanged
 
 
 def escaped_param(spec):

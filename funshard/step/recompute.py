@@ -175,6 +175,17 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def backward_in_forward(what: str) -> RuntimeError:
+    """``loss_fn`` ran a backward of its own (``loss.backward()``, ``torch.autograd.backward``):
+    the step's backward would count the gradients again."""
+    return RuntimeError(
+        f"train_step: {what} received gradients while loss_fn was running: loss_fn ran a "
+        "backward of its own (loss.backward() or torch.autograd.backward), and the step's "
+        "backward would count them twice. Return the loss and let the step differentiate it; "
+        "for a gradient inside loss_fn (a penalty) use torch.autograd.grad(..., "
+        "create_graph=True), which leaves the parameters' gradients alone.")
+
+
 def ended_twice(group) -> NotImplementedError:
     """Backward reached a group it had finished: a reentrant checkpoint region's own backward
     (torch.utils.checkpoint with use_reentrant=True) completed the group's gradients while

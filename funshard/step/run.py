@@ -159,6 +159,8 @@ class Run:
         # group's whole backward to complete): its reduce-scatter is finished (freeing its
         # input) and, on a 2-D mesh, its "replicate" all-reduce launched, to be finished
         # after the next group's backward. So each stage overlaps a group's backward.
+        if not self.backward:
+            raise recompute.backward_in_forward(f"group {group.name!r}")
         if group.ended:
             raise recompute.ended_twice(group)
         group.ended = True
@@ -206,6 +208,10 @@ class Run:
         return t
 
     def end_forward(self) -> None:
+        for g in self.groups:  # an ALIASED group's leaves take no gradient before backward
+            if g.state is S.ALIASED and any(g.fulls[k].grad is not None
+                                            for k in self.params.grad_pos[g.gi]):
+                raise recompute.backward_in_forward(f"group {g.name!r}")
         self.backward = True
         if self.checkpointing:  # unbind, so a recompute's use of a parameter is seen
             for g in self.groups:
