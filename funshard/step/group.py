@@ -179,7 +179,13 @@ class Group:
         its shard's storage (trainable leaves require grad), so the group enters autograd as
         a plain step's parameters do: its gradients accumulate in the leaves' ``.grad``,
         with no node of the step's in the graph, and the run hands them over when the
-        micro-batch's backward is done (:meth:`Run.finish`)."""
+        micro-batch's backward is done (:meth:`Run.finish`).
+
+        The shards are the state's own tensors: autograd refuses a write into a trainable
+        leaf before it lands, but a write into a frozen one lands in the state before the
+        step finds it (when the group is unbound) and refuses the step. (A view made under
+        no_grad of a leaf that requires grad would be refused too, but autograd then
+        computes the frozen weight's gradient: a matmul per frozen linear.)"""
         self.fulls = [self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
                       for i in self.idx]
         self.bases = list(self.fulls)
