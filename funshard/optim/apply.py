@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .base import (Delta, FusedAdam, GradientTransformation, Optimizer, Tree, as_delta, chunks,
-                   dens, flatten, group_by, local, path_str, unflatten)
+                   dens, flatten, group_by, locals_of, path_str, unflatten)
 
 
 def as_optimizer(transform: GradientTransformation) -> Optimizer:
@@ -60,17 +60,21 @@ def deltas_of(grads: Tree, params: Tree, step: int):
 
 
 def _grad_local(path: tuple, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    local_shaped = isinstance(p, DTensor) and not isinstance(g, DTensor) and g.shape == local(p).shape
-    if g.shape != p.shape and not local_shaped:
+    """``g``'s local tensor in ``p``'s dtype: a DTensor like ``p``, or a plain tensor of
+    ``p``'s global or local shape."""
+    p_dt, g_dt = isinstance(p, DTensor), isinstance(g, DTensor)
+    pl = p._local_tensor if p_dt else p
+    gl = g._local_tensor if g_dt else g
+    ok = g.shape == p.shape or (p_dt and not g_dt and g.shape == pl.shape)
+    if not ok:
         raise ValueError(f"grad shape mismatch at {path_str(path)}: param {tuple(p.shape)} vs grad "
                          f"{tuple(g.shape)}")
-    if isinstance(p, DTensor) and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+    if p_dt and g_dt and tuple(g.placements) != tuple(p.placements):
         raise ValueError(f"grad placements at {path_str(path)} are {g.placements}, param has "
                          f"{p.placements}")
     if not p.requires_grad:
         raise ValueError(f"grad given for {path_str(path)} which has no optimizer state "
                          "(requires_grad=False at init)")
-    pl, gl = local(p), local(g)
     return gl if gl.dtype == pl.dtype else gl.to(pl.dtype)
 
 
@@ -79,7 +83,7 @@ def _write(deltas: list, params: list) -> None:
     over all leaves of a kind at once, what must be made (Adam's denominators, SGD's penalty)
     a chunk of leaves at a time ([Note: lean updates]); fused Adam in one kernel."""
     idx = [i for i, d in enumerate(deltas) if d is not None]
-    ds, ps = [deltas[i] for i in idx], [local(params[i]) for i in idx]
+    ds, ps = [deltas[i] for i in idx], locals_of([params[i] for i in idx])
     if any(isinstance(d.den, FusedAdam) for d in ds):
         ds, ps = _write_fused(ds, ps)
     keys = [(p.device, p.dtype, d.den is None, d.coupled and d.wd != 0.0, d.numer / d.divisor,

@@ -20,7 +20,6 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import comm

@@ -14,7 +14,7 @@ import torch
 
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
                    ScalarOrSchedule, Tree, as_delta, check, check_lr, chunks, flatten, group_by,
-                   local, lr_at, materialize, path_str, unflatten, zeros_tree)
+                   locals_of, lr_at, materialize, path_str, unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -51,8 +51,8 @@ def active(updates: Tree, params: Tree, *states: Tree, lazy: bool = False):
             raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
                              "optimizer state (it was frozen or absent at init)")
     grads = [u_leaves[i] if lazy else materialize(u_leaves[i], p_leaves[i]) for i in idx]
-    return (spec, u_leaves, idx, grads, [local(p_leaves[i]) for i in idx],
-            [[local(s[i]) for i in idx] for s in s_leaves])
+    return (spec, u_leaves, idx, grads, locals_of([p_leaves[i] for i in idx]),
+            [locals_of([s[i] for i in idx]) for s in s_leaves])
 
 
 def runs_of(updates: list, like: list) -> list[list[int]]:
@@ -164,7 +164,8 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
 
 def _scale_all(updates: Tree, factor: float) -> Tree:
     _, leaves, spec = flatten(updates)
-    return unflatten(spec, [None if u is None else as_delta(u).scaled(factor) for u in leaves])
+    return unflatten(spec, [u.scaled(factor) if type(u) is Delta else
+                            None if u is None else as_delta(u).scaled(factor) for u in leaves])
 
 
 def scale(factor: float) -> GradientTransformation:
