@@ -66,8 +66,11 @@ class SavedParams:
             self.checkpointed = True
         if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
             return self._pack_stand_in(t, entering)
+        storage = self.run.storage
+        if not storage:  # no group holds gathered storage (a world of one, no cast)
+            return t
         try:
-            hit = self.run.storage.get(t.untyped_storage().data_ptr())
+            hit = storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
             return t
         if hit is None:
