@@ -61,13 +61,14 @@ def _local(b, rank):
     return tuple(x[rank * 2:(rank + 1) * 2] for x in b)
 
 
-def step_equals_one_process(spec, policy):
+def step_equals_one_process(spec, policy, force=True):
     """Two AdamW steps on the mesh against torch's AdamW on one process over the whole batch
-    (same device); the collectives of the last step; where the results live."""
+    (same device); the collectives of the last step; where the results live. ``force``:
+    a world of one runs its collectives (else it gathers nothing, as one device does)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     policy = dict(policy)
     fused = policy.pop("_fused", False)
-    with forced(world):
+    with forced(world) if force else contextlib.nullcontext():
         model = _gpt(dev)
         ref = copy.deepcopy(model)
         step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
@@ -102,6 +103,17 @@ def test_step_equals_one_process(pools, spec, policy):
         # the collective paths ran, on one rank too
         assert counts.get("all_gather", 0) > 0 and counts.get("reduce_scatter", 0) > 0, counts
         assert counts.get("all_reduce", 0) >= 1, counts  # the step's metrics
+
+
+@pytest.mark.parametrize("policy", ["full", "accumulate_clip", "checkpoint", "fused_adamw"])
+def test_one_device_as_a_user_runs_it(pools, policy):
+    """A world of one with its collectives not forced, as on a single GPU: nothing to gather,
+    the parameters are autograd leaves on the shards (Group.alias), no collective runs."""
+    err, loss_err, counts, where = pools.run(1, step_equals_one_process, POLICIES[policy],
+                                             False)[0]
+    assert err < TOL and loss_err < TOL, (err, loss_err)
+    assert where == {DEVICE}, where
+    assert counts == {}, counts
 
 
 def mixed_precision_vs_fsdp2(spec):
