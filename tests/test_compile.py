@@ -55,9 +55,10 @@ def compiled_parity(spec, raf, what="loss_fn", steps=3, per_rank=2):
     return err, breaks, groups, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("spec", [1, 2], ids=str)  # 1: the leaves of Group.alias
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_compiled_loss_fn_trains_as_one_process(pools, raf):
-    for err, breaks, groups, graphs in pools.run(2, compiled_parity, raf, timeout=300):
+def test_compiled_loss_fn_trains_as_one_process(pools, raf, spec):
+    for err, breaks, groups, graphs in pools.run(spec, compiled_parity, raf, timeout=300):
         assert err < 1e-6, err
         # breaks are found while compiling (the first step), at most two per group (its
         # gather and binding; the rest group is met twice); none on later steps
