@@ -174,3 +174,11 @@ def test_real_models_train_as_one_process(pools, spec, which, raf):
             "lora": [f"base_model.model.model.layers.{i}" for i in range(3)]}[which], r
         # AdamW keeps two moments of the trainable leaves only (LoRA: of the adapters)
         assert r["opt_state_x_trainable"] == 2.0, r
+
+
+@pytest.mark.parametrize("which", list(BUILDERS))
+def test_models_on_one_rank(pools, which):
+    """A world of one with no cast (the parameters are autograd leaves, Group.alias): tied
+    embeddings, LoRA's frozen base and BERT train as one process, frozen leaves unchanged."""
+    r = pools.run(1, model_parity, which, True)[0]
+    assert r["err"] < 1e-5 and r["frozen_equal"], r
