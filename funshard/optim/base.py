@@ -208,7 +208,7 @@ def flatten(tree: Tree) -> tuple[list, list, Any]:
     """Paths, leaves and structure, ``None`` kept as a leaf so trees with holes stay aligned.
 
     A flat dict of leaves (``fs.params``' FQN dicts: every tree an update flattens about ten
-    times) takes a cached layout of its keys: 8 us for 100 leaves against optree's 26.
+    times) takes a cached layout of its keys: 4 us for 100 leaves against optree's 27.
     The paths list is shared between calls: read it, do not change it."""
     if type(tree) is dict and len(tree) >= 8:
         take, paths, spec = _dict_layout(tuple(tree))

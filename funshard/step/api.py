@@ -321,15 +321,16 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
 
     def init(params: Tree, buffers: Tree = None) -> TrainState:
         with comm.failures.call("train_step.init"):
-            groups = groups_for(params)[0]
+            groups, leaves = groups_for(params)
             if buffers is not None:
                 buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
             bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
-            agree.check(groups, policy, [d._local_tensor for d in pytree.flatten(params)[0]],
+            agree.check(groups, policy, [d._local_tensor for d in leaves],
                         where="train_step.init",
                         buffers=[(pytree.fqn(p), b._local_tensor)
                                  for p, b in zip(bpaths, bleaves)])
-            return donations.remember(TrainState(params, optimizer.init(params), 0, buffers))
+            return donations.remember(TrainState(params, optimizer.init(params), 0, buffers),
+                                      leaves)
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (comm.failures)
@@ -354,7 +355,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                 buffers_.write_back(bleaves, work)
             new_state = new_state._replace(buffers=state.buffers)
         # the optimizer updates the leaves in place: the new state holds the same tensors
-        return donations.remember(new_state, leaves[0] if leaves else None), metrics
+        return donations.remember(new_state, leaves), metrics
 
     return TrainStep(init, apply)
 

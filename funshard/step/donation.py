@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import weakref
 
-from .. import pytree
-
 
 class Donations:
     """Donation, enforced: a state's parameters are updated in place, so the step remembers,
@@ -17,19 +15,14 @@ class Donations:
     def __init__(self):
         self._by_id: dict[int, tuple[weakref.ref, int]] = {}
 
-    _NOT_GIVEN = object()
-
-    def remember(self, state, first=_NOT_GIVEN):
-        """Remember ``state`` as the latest of its tree (``first``: its first parameter leaf,
-        when the caller has it: None for an empty tree)."""
-        if first is Donations._NOT_GIVEN:
-            leaves = pytree.flatten(state.params)[0]
-            first = leaves[0] if leaves else None
-        if first is not None:
+    def remember(self, state, leaves: list):
+        """Remember ``state`` as the latest of its tree; ``leaves``: its parameter leaves
+        (the caller has flattened them already)."""
+        if leaves:
             if len(self._by_id) > 1:  # several trees: drop the ones that died
                 self._by_id = {i: (r, s) for i, (r, s) in self._by_id.items()
                                if r() is not None}
-            self._by_id[id(first)] = (weakref.ref(first), state.step)
+            self._by_id[id(leaves[0])] = (weakref.ref(leaves[0]), state.step)
         return state
 
     def check(self, state, leaves: list) -> None:

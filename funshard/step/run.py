@@ -238,8 +238,8 @@ class Run:
         gradients go to its bucket as :meth:`backward_done` puts a gathered group's."""
         group.ended = True
         # fulls[k] holds the leaf, bound or not (see Group.bind_all)
-        got = [(k, g) for k, g in ((k, group.fulls[k].grad)
-                                   for k in self.params.grad_pos[group.gi]) if g is not None]
+        got = [(k, g) for k in self.params.grad_pos[group.gi]
+               if (g := group.fulls[k].grad) is not None]
         if got:
             self.grads.put_all(group, got)
             if self.sync:
