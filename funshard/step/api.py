@@ -27,16 +27,13 @@ import math
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from .. import comm, pytree
 from ..layout import check_float_dtype
-from ..mesh import mesh_str
 from ..optim import clip as optim_clip
-from ..reduce import first_nonfinite, local_sq_norm
-from . import agree, call, lazy, recompute
+from . import agree, call, lazy, recompute, update
 from . import buffers as buffers_
 from .donation import Donations
 from .params import ParamGroups
@@ -180,18 +177,8 @@ def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
-class _Grads(NamedTuple):
-    """What the micro-batches of one step produced."""
-
-    grads: list  # per leaf: its reduced gradient shard, or None
-    loss_sum: torch.Tensor
-    aux: list
-    peaks: tuple[int, int]
-    order: tuple  # per micro-batch, the groups in the order forward and backward used them
-
-
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
-                   batch: Any, bufs: Any = None) -> _Grads:
+                   batch: Any, bufs: Any = None) -> update.Grads:
     """Forward and backward of every micro-batch; the reduced gradients of the last."""
     micro = _split_batch(batch, policy.accumulate)
     k = len(micro)
@@ -231,7 +218,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     for r in runs:
         r.release()
-    return _Grads(grads, loss_sum, aux_all, peaks, order)
+    return update.Grads(grads, loss_sum, aux_all, peaks, order)
 
 
 def _check_differentiable(loss: torch.Tensor) -> None:
@@ -241,53 +228,6 @@ def _check_differentiable(loss: torch.Tensor) -> None:
             "loss_fn returned a detached loss (loss.detach(), .item(), a new tensor) or one "
             "that no trainable parameter reaches. Return the loss as computed from params."
         )
-
-
-def _check_trained(params: ParamGroups, grads: list) -> None:
-    """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
-    if any(params.trainable) and all(g is None for g in grads):
-        raise ValueError(
-            "train_step: no trainable parameter received a gradient: the loss does not depend "
-            f"on any of the {sum(params.trainable)} trainable parameters (only on frozen ones, "
-            "or on none). Compute the loss from the params loss_fn is given."
-        )
-
-
-def _empty_batch(batch: Any) -> str:
-    """'' or a note naming this rank's first empty batch leaf."""
-    paths, leaves, _ = pytree.flatten_with_path(batch)
-    for p, x in zip(paths, leaves):
-        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == 0:
-            return (f"; this rank's batch[{pytree.fqn(p)!r}] is empty (shape "
-                    f"{tuple(x.shape)}): the mean of no samples is NaN")
-    return ""
-
-
-def _metrics(params: ParamGroups, out: _Grads, k: int) -> tuple[dict, list]:
-    """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
-    the host. The step's constant tensors (norm weights, the order's sums) are made once."""
-    present = [i for i, g in enumerate(out.grads) if g is not None]
-    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
-                               lambda: [params.norm_weight[i] for i in present])
-    sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
-    order = params.on_device(("order", out.order), torch.float64,
-                             lambda: agree.order_sums(out.order))
-    both = torch.cat([torch.stack([out.loss_sum / k, sq]), order])
-    if not comm.skips(params.world):
-        with comm.watch("all-reduce of the step's metrics", params.mesh):
-            dist.all_reduce(both)
-    loss, sq_norm, *sums = both.tolist()  # the step's one wait for the device
-    agree.check_order(sums, params, out.order)
-    metrics = {
-        "loss": loss / params.world,
-        "grad_norm": math.sqrt(sq_norm) if sq_norm > 0 else 0.0 if sq_norm <= 0 else math.nan,
-        "unsharded_groups_peak": out.peaks[0],
-        "unsharded_bytes_peak": out.peaks[1],
-        "skipped": 0,
-    }
-    if any(a is not None for a in out.aux):
-        metrics["aux"] = out.aux[0] if k == 1 else out.aux
-    return metrics, present
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
@@ -348,7 +288,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
                                else ([], [], None))
         out = _micro_batches(loss_fn, params, shards, policy, batch, bufs)
-        new_state, metrics = _update(optimizer, policy, params, state, out, batch)
+        new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
         if bufs is not None:
             if not metrics["skipped"]:  # a skipped step keeps the buffers too
                 buffers_.sync(policy.buffers, work, params.mesh)
@@ -358,44 +298,3 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         return donations.remember(new_state, leaves), metrics
 
     return TrainStep(init, apply)
-
-
-def _update(optimizer, policy: Policy, params: ParamGroups, state: TrainState, out: _Grads,
-            batch: Any) -> tuple[TrainState, dict]:
-    """Metrics, the non-finite rule, and the optimizer (with the Policy's apply_if_finite and
-    clip_by_global_norm in front) on the local shards."""
-    _check_trained(params, out.grads)
-    metrics, present = _metrics(params, out, policy.accumulate)
-    grads, norm = out.grads, metrics["grad_norm"]
-    finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
-    if not finite and not policy.skip_nonfinite:
-        if not math.isfinite(norm):
-            _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
-        raise FloatingPointError(
-            f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
-            f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
-            "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
-            "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
-    grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
-    # the transforms take the norm and the finite check the metrics' all-reduce measured
-    # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
-    with optim_clip.measured(grad_tree, norm, finite) as seen:
-        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
-                                                 step=state.step)
-    metrics["skipped"] = int(seen.dropped)
-    return TrainState(new_params, opt_state, state.step + 1), metrics
-
-
-def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
-                     note: str) -> None:
-    """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
-    hits = [present[j] for j in first_nonfinite([grads[i] for i in present], params.mesh)]
-    lay = params.layouts[hits[0]] if hits else None
-    where = (f"the gradient of {lay.path!r} (shape {tuple(lay.shape)}, on "
-             f"{mesh_str(params.mesh)})" if lay else "the loss")
-    raise FloatingPointError(
-        f"train_step: {where} is not finite (NaN or inf) at step {step}"
-        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}{note}. The parameters and "
-        "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
-        "fs.Policy(skip_nonfinite=True) to skip such steps."
-    )

@@ -1,0 +1,124 @@
+"""After backward: the step's metrics, its non-finite rule, and the optimizer.
+
+The loss and the global gradient norm take one all-reduce and one read on the host (the
+step's one wait for the device); a non-finite loss or gradient refuses the step by name
+(or skips it, with ``Policy(skip_nonfinite=True)``), the parameters and optimizer state
+unchanged; then the optimizer (with the Policy's clipping in front) updates the local
+shards in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, pytree
+from ..mesh import mesh_str
+from ..optim import clip as optim_clip
+from ..reduce import first_nonfinite, local_sq_norm
+from . import agree
+from .params import ParamGroups
+
+
+class Grads(NamedTuple):
+    """What the micro-batches of one step produced."""
+
+    grads: list  # per leaf: its reduced gradient shard, or None
+    loss_sum: torch.Tensor
+    aux: list
+    peaks: tuple[int, int]
+    order: tuple  # per micro-batch, the groups in the order forward and backward used them
+
+
+
+def check_trained(params: ParamGroups, grads: list) -> None:
+    """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
+    if any(params.trainable) and all(g is None for g in grads):
+        raise ValueError(
+            "train_step: no trainable parameter received a gradient: the loss does not depend "
+            f"on any of the {sum(params.trainable)} trainable parameters (only on frozen ones, "
+            "or on none). Compute the loss from the params loss_fn is given."
+        )
+
+
+def _empty_batch(batch: Any) -> str:
+    """'' or a note naming this rank's first empty batch leaf."""
+    paths, leaves, _ = pytree.flatten_with_path(batch)
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == 0:
+            return (f"; this rank's batch[{pytree.fqn(p)!r}] is empty (shape "
+                    f"{tuple(x.shape)}): the mean of no samples is NaN")
+    return ""
+
+
+def metrics_of(params: ParamGroups, out: Grads, k: int) -> tuple[dict, list]:
+    """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
+    the host. The step's constant tensors (norm weights, the order's sums) are made once."""
+    present = [i for i, g in enumerate(out.grads) if g is not None]
+    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
+                               lambda: [params.norm_weight[i] for i in present])
+    sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
+    order = params.on_device(("order", out.order), torch.float64,
+                             lambda: agree.order_sums(out.order))
+    both = torch.cat([torch.stack([out.loss_sum / k, sq]), order])
+    if not comm.skips(params.world):
+        with comm.watch("all-reduce of the step's metrics", params.mesh):
+            dist.all_reduce(both)
+    loss, sq_norm, *sums = both.tolist()  # the step's one wait for the device
+    agree.check_order(sums, params, out.order)
+    metrics = {
+        "loss": loss / params.world,
+        "grad_norm": math.sqrt(sq_norm) if sq_norm > 0 else 0.0 if sq_norm <= 0 else math.nan,
+        "unsharded_groups_peak": out.peaks[0],
+        "unsharded_bytes_peak": out.peaks[1],
+        "skipped": 0,
+    }
+    if any(a is not None for a in out.aux):
+        metrics["aux"] = out.aux[0] if k == 1 else out.aux
+    return metrics, present
+
+
+
+def update(optimizer, policy, params: ParamGroups, state, out: Grads,
+           batch: Any) -> tuple[Any, dict]:
+    """Metrics, the non-finite rule, and the optimizer (with the Policy's apply_if_finite and
+    clip_by_global_norm in front) on the local shards."""
+    check_trained(params, out.grads)
+    metrics, present = metrics_of(params, out, policy.accumulate)
+    grads, norm = out.grads, metrics["grad_norm"]
+    finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
+    if not finite and not policy.skip_nonfinite:
+        if not math.isfinite(norm):
+            _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
+        raise FloatingPointError(
+            f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
+            f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
+            "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
+            "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+    grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
+    # the transforms take the norm and the finite check the metrics' all-reduce measured
+    # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
+    with optim_clip.measured(grad_tree, norm, finite) as seen:
+        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                                 step=state.step)
+    metrics["skipped"] = int(seen.dropped)
+    return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
+                          buffers=None), metrics
+
+
+def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
+                     note: str) -> None:
+    """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
+    hits = [present[j] for j in first_nonfinite([grads[i] for i in present], params.mesh)]
+    lay = params.layouts[hits[0]] if hits else None
+    where = (f"the gradient of {lay.path!r} (shape {tuple(lay.shape)}, on "
+             f"{mesh_str(params.mesh)})" if lay else "the loss")
+    raise FloatingPointError(
+        f"train_step: {where} is not finite (NaN or inf) at step {step}"
+        f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}{note}. The parameters and "
+        "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
+        "fs.Policy(skip_nonfinite=True) to skip such steps."
+    )
