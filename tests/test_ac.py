@@ -322,8 +322,9 @@ def two_installs(spec):
     return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
 
 
-def test_two_installs_with_checkpointing_are_refused(pools):
-    for t, msg, same in pools.run(2, two_installs):
+@pytest.mark.parametrize("spec", [2, 1])  # 1: the direct path, refused in backward
+def test_two_installs_with_checkpointing_are_refused(pools, spec):
+    for t, msg, same in pools.run(spec, two_installs):
         assert t == "NotImplementedError" and same, (t, msg)
         assert "through fs.call twice with different tensors and checkpointed" in msg, msg
 

@@ -334,14 +334,28 @@ def test_unsupported_is_refused_by_name(pools, what):
         assert UNSUPPORTED[what] in msg and unchanged, (rank, msg)
 
 
+@pytest.mark.parametrize("what", ["checkpoint", "checkpoint_reentrant"])
+def test_stale_recompute_is_refused_on_one_rank(pools, what):
+    """The direct path (one rank, no cast) sees no checkpoint region in forward: its backward
+    runs under the guard all the same, which refuses a recompute of the module's own
+    weights (functional_call put them back) by name."""
+    for t, msg, unchanged in pools.run(1, unsupported, what):
+        assert t == "NotImplementedError" and unchanged, (t, msg)
+        assert UNSUPPORTED[what] in msg, msg
+
+
 @pytest.mark.parametrize("what", ["in_place", "in_place_frozen", "backward_in_loss_fn"])
 def test_in_place_is_refused_on_one_rank(pools, what):
-    """A world of one with no cast computes on the shards themselves (nothing is gathered):
-    a write into a parameter would change the state outside the optimizer; the parameters
+    """A world of one with no cast computes on the shards themselves (the direct path): a
+    write into a parameter would change the state outside the optimizer; the parameters
     are autograd leaves there, so a backward inside loss_fn would fill their gradients."""
     for t, msg, unchanged in pools.run(1, unsupported, what):
         assert t == "RuntimeError", (t, msg)
-        assert UNSUPPORTED[what] in msg, msg
+        if what == "in_place":  # autograd refuses it before the write, naming no tensor
+            assert "loss_fn wrote into a trainable parameter in place (at " in msg, msg
+            assert '.add_(1.0)), which autograd refused' in msg and unchanged, msg
+        else:
+            assert UNSUPPORTED[what] in msg, msg
         if what == "backward_in_loss_fn":
             assert unchanged
 

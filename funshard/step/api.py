@@ -4,7 +4,9 @@
 communication group when ``loss_fn`` first touches it, frees it after use, prefetches the
 next, and reduces each group's gradients as soon as backward is done with it (see
 [Note: a group's life] in :mod:`funshard.step.group`). Then the gradient norm, clipping and
-the optimizer run on the local shards.
+the optimizer run on the local shards. On one rank with no cast there is nothing to gather:
+``loss_fn`` then gets the parameters themselves ([Note: the direct path] in
+:mod:`funshard.step.direct`).
 
 Why this mechanism (measured in tests/test_step.py): module hooks are out by design;
 activation checkpointing would recompute the forward; a per-op DTensor redistribute issues
@@ -35,6 +37,7 @@ from ..layout import check_float_dtype
 from ..optim import clip as optim_clip
 from . import agree, call, lazy, recompute, update
 from . import buffers as buffers_
+from . import direct as direct_
 from .donation import Donations
 from .params import ParamGroups
 from .run import Run
@@ -178,8 +181,9 @@ def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
-                   batch: Any, bufs: Any = None) -> update.Grads:
-    """Forward and backward of every micro-batch; the reduced gradients of the last."""
+                   batch: Any, bufs: Any, direct: bool) -> update.Grads:
+    """Forward and backward of every micro-batch; the reduced gradients of the last.
+    ``direct``: ``shards`` are the leaves ``loss_fn`` gets (see [Note: the direct path])."""
     micro = _split_batch(batch, policy.accumulate)
     k = len(micro)
     buckets: dict = {}  # gradients summed over micro-batches, per group
@@ -188,14 +192,17 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     aux_all, runs = [], []
     for j, mb in enumerate(micro):
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
-                  record=record and j == 0)
-        tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
+                  record=record and j == 0 and not direct, direct=direct)
+        if direct:
+            tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
+        else:
+            tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
+            hooks = saved_tensors_hooks(run.saved.pack, run.saved.unpack)
         if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
             tree = (tree, bufs)
         try:
             # a training step computes gradients, under torch.no_grad() too
-            with torch.enable_grad(), saved_tensors_hooks(run.saved.pack, run.saved.unpack), \
-                    run.running():
+            with torch.enable_grad(), hooks, run.running():
                 loss, aux = _loss_of(loss_fn(tree, mb))
             call.check_found(run)
             _check_differentiable(loss)
@@ -204,6 +211,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             run.end_forward()
             with torch.enable_grad():
                 recompute.backward(run, loss / k)
+            if direct:
+                params.leaves.check_unwritten(params)
         finally:
             run.finish()
         loss_sum += loss.detach().double()
@@ -283,11 +292,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                                "gradient can be computed; call it outside.")
         params, leaves = groups_for(state.params)
         donations.check(state, leaves)
-        shards = [d._local_tensor.detach().requires_grad_(t)
-                  for d, t in zip(leaves, params.trainable)]
+        direct = direct_.usable(params)  # see [Note: the direct path]
+        shards = (params.leaves.of(params, leaves) if direct else
+                  [d._local_tensor.detach().requires_grad_(t)
+                   for d, t in zip(leaves, params.trainable)])
         bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
                                else ([], [], None))
-        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs)
+        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct)
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
         if bufs is not None:
             if not metrics["skipped"]:  # a skipped step keeps the buffers too

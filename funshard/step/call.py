@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from . import recompute
 from .install import install
 from .run import Run
 
@@ -60,6 +61,7 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     if before is not merged and (before.keys() != merged.keys() or any(
             before[k] is not v for k, v in merged.items())):  # refused if it checkpoints (api)
         run.reinstalled = type(module).__name__
+        run.reinstalled_ids.update(id(t) for d in (before, merged) for t in d.values())
     stack = contextlib.ExitStack()
     stack.enter_context(install(module, merged))
     run.installed.append((module, stack))  # undone by Run.finish, after backward
@@ -132,8 +134,4 @@ def check_found(run: Run) -> None:
 def check_recomputable(run: Run) -> None:
     """After a checkpointing forward: no module was installed twice with other tensors."""
     if run.checkpointing and run.reinstalled:
-        raise NotImplementedError(
-            f"train_step: loss_fn called a {run.reinstalled} through fs.call twice with "
-            "different tensors and checkpointed: backward's recompute would run every call on "
-            "the last one's. Call it once per step with the step's params, or turn "
-            "checkpointing off.")
+        raise recompute.reinstalled(run.reinstalled)

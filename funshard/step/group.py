@@ -174,7 +174,7 @@ class Group:
         """A world of one with no cast: the shards are the full tensors (see :meth:`alias`)."""
         return comm.skips(self.params.world) and self.params.uncast[self.gi]
 
-    def alias(self) -> None:
+    def alias(self, given: bool = False) -> None:
         """SHARDED -> ALIASED: nothing to gather. Each full tensor is a new autograd leaf on
         its shard's storage (trainable leaves require grad), so the group enters autograd as
         a plain step's parameters do: its gradients accumulate in the leaves' ``.grad``,
@@ -185,8 +185,12 @@ class Group:
         leaf before it lands, but a write into a frozen one lands in the state before the
         step finds it (when the group is unbound) and refuses the step. (A view made under
         no_grad of a leaf that requires grad would be refused too, but autograd then
-        computes the frozen weight's gradient: a matmul per frozen linear.)"""
-        self.fulls = [self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
+        computes the frozen weight's gradient: a matmul per frozen linear.)
+
+        ``given``: the run's shards are such leaves already (see [Note: the direct path] in
+        :mod:`.direct`)."""
+        self.fulls = [self.shards[i] if given else
+                      self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
                       for i in self.idx]
         self.bases = list(self.fulls)
         self.move(S.ALIASED)
@@ -317,7 +321,8 @@ class Group:
             return True
         stand = self.stands[k]
         if stand._version != self.bound_version[k]:
-            raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op")
+            raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
+                                 landed=self.state is S.ALIASED)
         if not lazy_swap(stand, shell):
             return False
         self.fulls[k], self.lazies[k] = shell, None

@@ -36,7 +36,8 @@ the group's gradients to the run; each trainable leaf then passes :class:`Tap`, 
 backward puts the leaf's gradient in the group's reduce bucket. A group with nothing to
 gather (a world of one, no cast) has no node of the step's: its full tensors are autograd
 leaves on the shards' storage, as a plain step's parameters are, and the run hands their
-``.grad`` over when backward is done. Measured 2026-11-24 (host-bound GPT 8 x 64, world 1,
+``.grad`` over when backward is done (when every group is such, ``loss_fn`` gets the
+leaves themselves, with no stand-in: [Note: the direct path] in :mod:`.direct`). Measured 2026-11-24 (host-bound GPT 8 x 64, world 1,
 9 groups): 8.97 -> 8.54 ms per step against the plain step's 5.56 (1.66x -> 1.54x); the
 Gather node and its backward cost about 100 us per group there. See [Note: a group's life]
 in :mod:`funshard.step.group`.
@@ -239,12 +240,17 @@ def _substitute(run, values, recompute: bool = False) -> list:
     return out
 
 
-def in_place_error(path: str, func) -> RuntimeError:
+def in_place_error(path: str, func, landed: bool = False) -> RuntimeError:
+    """``landed``: the parameter is the state's own tensor (one rank, no cast), so the
+    write has changed the state; else it went to a gathered copy."""
+    why = ("on one rank with no cast the step computes on the state's own tensors, so the "
+           "write has changed the parameter outside the optimizer (restore it from a "
+           "checkpoint)" if landed else
+           "inside the step a parameter is a gathered copy, so the write would be lost")
     return RuntimeError(
         f"train_step: loss_fn wrote into parameter {path!r} in place "
-        f"({getattr(func, '__name__', func)}); inside the step a parameter is a gathered "
-        "copy, so the write would be lost. Compute out of place, and keep buffers out of the "
-        "tree given to fs.shard."
+        f"({getattr(func, '__name__', func)}); {why}. Compute out of place, and keep "
+        "buffers out of the tree given to fs.shard."
     )
 
 

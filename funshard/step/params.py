@@ -15,6 +15,7 @@ from .. import pytree
 from ..layout import compute_dtype, describe
 from ..mesh import mesh_device, mesh_str
 from ..reduce import norm_weights
+from .direct import Leaves
 from .schedule import Schedule, group_names, partition
 
 
@@ -58,6 +59,7 @@ class ParamGroups:
                             for idx in self.members]
         self.schedule: Schedule | None = None  # learned on the first step
         self._consts: dict = {}  # see on_device
+        self.leaves = Leaves()  # the direct path's (see .direct)
         if mesh.size() != dist.get_world_size():
             raise ValueError(
                 f"train_step: the mesh {mesh_str(mesh)} has {mesh.size()} ranks but "

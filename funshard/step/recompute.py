@@ -138,8 +138,10 @@ _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def backward(run, loss: torch.Tensor) -> None:
-    """``loss.backward()``; after checkpointing, under :class:`RecomputeGuard`."""
-    if not run.checkpointing or _run_backward is None:
+    """``loss.backward()``; after checkpointing, and on the direct path (where whether a
+    region checkpointed is not seen: see [Note: the direct path] in :mod:`.direct`), under
+    :class:`RecomputeGuard`."""
+    if not (run.checkpointing or run.direct) or _run_backward is None:
         loss.backward()
         return
     ones = torch.ones_like(loss)
@@ -155,13 +157,24 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
 
     def __init__(self, run):
         super().__init__()
-        # the module parameters fs.call left in place (params did not name them)
-        self.own = {id(p) for module, _ in run.installed for p in module.parameters()
-                    if isinstance(p, torch.nn.Parameter)}
+        self.run, self._own = run, None
+        # the direct path, a module fs.call installed twice with other tensors: a tensor of
+        # either installation read in backward may be a recompute's, reading the last one
+        self.reinstalled = run.reinstalled_ids if run.direct else ()
+
+    @property
+    def own(self) -> set[int]:
+        """The module parameters fs.call left in place (params did not name them)."""
+        if self._own is None:
+            self._own = {id(p) for module, _ in self.run.installed
+                         for p in module.parameters() if isinstance(p, torch.nn.Parameter)}
+        return self._own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for x in (*args, *kwargs.values()):
+            if self.reinstalled and id(x) in self.reinstalled:
+                raise reinstalled(self.run.reinstalled)
             if isinstance(x, torch.nn.Parameter) and id(x) not in self.own:
                 raise NotImplementedError(
                     "train_step: activation checkpointing recomputed a forward that read a "
@@ -173,6 +186,14 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
                     "keeps the step's parameters in the module until backward ends), or turn "
                     "checkpointing off (e.g. model.gradient_checkpointing_disable()).")
         return func(*args, **kwargs)
+
+
+def reinstalled(name: str) -> NotImplementedError:
+    """A module ``fs.call`` installed twice with other tensors, and checkpointing."""
+    return NotImplementedError(
+        f"train_step: loss_fn called a {name} through fs.call twice with different tensors "
+        "and checkpointed: backward's recompute would run every call on the last one's. "
+        "Call it once per step with the step's params, or turn checkpointing off.")
 
 
 def backward_in_forward(what: str) -> RuntimeError:

@@ -34,9 +34,10 @@ class Run:
         return _CURRENT.get()
 
     def __init__(self, params: ParamGroups, shards: list, policy, buckets: dict,
-                 accumulating: bool, sync: bool, record: bool):
+                 accumulating: bool, sync: bool, record: bool, direct: bool = False):
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
+        self.direct = direct  # shards are the leaves loss_fn gets: see .direct
         self.tapped = not comm.skips(params.world)  # gradients reach the buckets via lazy.Tap
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
@@ -56,6 +57,7 @@ class Run:
         self.installed: list = []  # fs.call's (module, installation), undone at finish
         self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
         self.reinstalled = ""  # a module fs.call installed twice with other tensors
+        self.reinstalled_ids: set[int] = set()  # the tensors of its installations
 
     def bound_group(self, x) -> int | None:
         """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
@@ -233,6 +235,13 @@ class Run:
         if late and not self.checkpointing and self.groups[kept].state is S.GATHERED:
             self.groups[kept].free_leaves(list(late))
 
+    def start_direct(self) -> list:
+        """Every group ALIASED on the run's shards, which ``loss_fn`` gets as they are
+        (see [Note: the direct path] in :mod:`.direct`)."""
+        for g in self.groups:
+            g.alias(given=True)
+        return self.shards
+
     def hand_over(self, group: Group) -> None:
         """Backward is done with an ALIASED group (:meth:`Group.alias`): its leaves'
         gradients go to its bucket as :meth:`backward_done` puts a gathered group's."""
@@ -240,6 +249,8 @@ class Run:
         # fulls[k] holds the leaf, bound or not (see Group.bind_all)
         got = [(k, g) for k in self.params.grad_pos[group.gi]
                if (g := group.fulls[k].grad) is not None]
+        for k, _ in got:  # the bucket has it (the direct path's leaves outlive the step)
+            group.fulls[k].grad = None
         if got:
             self.grads.put_all(group, got)
             if self.sync:

@@ -1,0 +1,160 @@
+"""The direct path (one rank, no cast): loss_fn computes on autograd leaves over the state's
+own shards, kept from step to step. See [Note: the direct path] in funshard.step.direct."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funshard as fs
+from funshard.comm import force_collectives
+from funshard.step.lazy import LazyParam
+from funshard.testing import capture, mesh
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+
+
+def what_loss_fn_gets(spec, how):
+    """The types loss_fn is given on two steps, and whether the second step's are the first
+    step's objects."""
+    model = _mlp()
+    seen = []
+
+    def loss_fn(p, b):
+        seen.append(dict(p))
+        x = b[0].to(p["0.weight"].dtype)
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)).float(), b[1])
+
+    policy = fs.Policy(param_dtype=torch.bfloat16) if how == "bf16" else fs.Policy()
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1), policy=policy)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    with force_collectives(how == "forced"):
+        for b in _batches(2):
+            state, _ = step(state, b)
+    kinds = sorted({"stand-in" if isinstance(t, LazyParam) else type(t).__name__
+                    for t in seen[0].values()})
+    same = all(seen[0][k] is seen[1][k] for k in seen[0])
+    return kinds, same
+
+
+@pytest.mark.parametrize("how,kinds,same", [
+    ("plain", ["Tensor"], True), ("bf16", ["stand-in"], False),
+    ("forced", ["stand-in"], False)])
+def test_which_steps_take_the_direct_path(pools, how, kinds, same):
+    """One rank with no cast: plain leaves, the same objects every step; a cast, or the
+    collectives forced, keep the stand-ins."""
+    assert pools.run(1, what_loss_fn_gets, how)[0] == (kinds, same)
+
+
+def kept_parameters(spec):
+    """loss_fn keeps the parameters of the first step and computes every later step from
+    them, ignoring what it is given: on one rank they are the live parameters, so the run
+    equals one whose loss_fn uses what it is given."""
+    model = _mlp()
+    kept = {}
+
+    def keeper(p, b):
+        if not kept:
+            kept.update(p)
+        return F.mse_loss(torch.func.functional_call(model, kept, (b[0],)), b[1])
+
+    def plain(p, b):
+        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
+
+    out = []
+    for fn in (keeper, plain):
+        step = fs.train_step(fn, fs.optim.adamw(lr=0.05))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        for b in _batches(3):
+            state, _ = step(state, b)
+        out.append(fs.unshard(state.params))
+    live = max((kept[k] - out[0][k]).abs().max().item() for k in kept)
+    err = max((out[0][k] - out[1][k]).abs().max().item() for k in kept)
+    return live, err
+
+
+def test_a_kept_parameter_is_the_live_parameter(pools):
+    live, err = pools.run(1, kept_parameters)[0]
+    assert live == 0.0 and err == 0.0, (live, err)
+
+
+def gradient_from_outside(spec):
+    """A parameter kept past its step and differentiated outside: the next step refuses by
+    name with the state unchanged, and runs once the gradient is cleared."""
+    model = _mlp()
+    kept = {}
+
+    def loss_fn(p, b):
+        kept.update(p)
+        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    b1, b2 = _batches(2)
+    state, _ = step(state, b1)
+    (kept["2.weight"] * 2).sum().backward()
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    t, msg = capture(lambda: step(state, b2))
+    same = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+    kept["2.weight"].grad = None
+    state, metrics = step(state, b2)
+    return t, msg, same, metrics["loss"] > 0
+
+
+def test_a_gradient_from_outside_the_step_is_refused_by_name(pools):
+    t, msg, same, ran = pools.run(1, gradient_from_outside)[0]
+    assert t == "RuntimeError" and same and ran, (t, msg)
+    assert "parameter '2.weight' (shape (2, 8)) has a gradient from outside the step" in msg
+
+
+class _Mul(torch.autograd.Function):
+    """x @ w.T whose backward is its own (saves both)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def _loss(kind, model, p, b):
+    if kind == "custom_function":  # a Function is the first to touch '0.weight'
+        h = _Mul.apply(b[0], p["0.weight"]) + p["0.bias"]
+        return F.mse_loss(torch.relu(h) @ p["2.weight"].t() + p["2.bias"], b[1])
+    with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks around the whole model
+        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
+
+
+def what_stand_ins_refuse(spec, kind):
+    """What the stand-ins refuse at world N (a custom Function meeting a parameter first,
+    other saved-tensor hooks) trains as one process does on the direct path."""
+    model = _mlp()
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = fs.train_step(lambda p, b: _loss(kind, model, p, b), fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    for b in _batches(3):
+        state, _ = step(state, b)
+        opt.zero_grad()
+        _loss(kind, ref, dict(ref.named_parameters()), b).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["custom_function", "saved_tensors_hooks"])
+def test_what_stand_ins_refuse_trains_on_the_direct_path(pools, kind):
+    err = pools.run(1, what_stand_ins_refuse, kind)[0]
+    assert err < 1e-6, err
