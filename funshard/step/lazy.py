@@ -36,11 +36,11 @@ the group's gradients to the run; each trainable leaf then passes :class:`Tap`, 
 backward puts the leaf's gradient in the group's reduce bucket. A group with nothing to
 gather (a world of one, no cast) has no node of the step's: its full tensors are autograd
 leaves on the shards' storage, as a plain step's parameters are, and the run hands their
-``.grad`` over when backward is done (when every group is such, ``loss_fn`` gets the
-leaves themselves, with no stand-in: [Note: the direct path] in :mod:`.direct`). Measured 2026-11-24 (host-bound GPT 8 x 64, world 1,
+``.grad`` over when backward is done. Measured 2026-11-24 (host-bound GPT 8 x 64, world 1,
 9 groups): 8.97 -> 8.54 ms per step against the plain step's 5.56 (1.66x -> 1.54x); the
-Gather node and its backward cost about 100 us per group there. See [Note: a group's life]
-in :mod:`funshard.step.group`.
+Gather node and its backward cost about 100 us per group there. When every group is such,
+``loss_fn`` gets the leaves themselves, with no stand-in at all ([Note: the direct path] in
+:mod:`.direct`). See [Note: a group's life] in :mod:`funshard.step.group`.
 """
 
 from __future__ import annotations
