@@ -33,9 +33,9 @@ parameter, as a module's ``nn.Parameter`` is).
 
 Why, measured 2026-11-24 (host-bound GPT 8 x 64, seq 8, batch 1, this 2-core CPU, world 1,
 median of 8 rounds of 20 steps): 8.3 -> 7.1 ms per step against the plain step's 5.5
-(1.50x -> 1.27x); with fused AdamW on both sides, 1.66x -> 1.33x. The stand-ins cost about 60 us per group at first use (gather, alias,
-bind) and the saved-tensor hooks about 1.5 us per saved tensor; neither buys anything when
-nothing is gathered.
+(1.50x -> 1.27x); with fused AdamW on both sides, 1.66x -> 1.33x. The stand-ins cost about
+60 us per group at first use (gather, alias, bind) and the saved-tensor hooks about 1.5 us
+per saved tensor; neither buys anything when nothing is gathered.
 """
 
 from __future__ import annotations

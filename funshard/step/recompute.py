@@ -215,5 +215,6 @@ def ended_twice(group) -> NotImplementedError:
         f"train_step: group {group.name!r} is used inside a "
         "torch.utils.checkpoint(use_reentrant=True) region and outside it (or in another "
         "region): the region's own backward finished the group's gradients before the rest "
-        "of backward reached it, so the rest would be lost. Use use_reentrant=False, or groups that keep the region's parameters "
-        "apart (fs.Policy(groups=...); fs.list_groups shows them).")
+        "of backward reached it, so the rest would be lost. Use use_reentrant=False, or "
+        "groups that keep the region's parameters apart (fs.Policy(groups=...); "
+        "fs.list_groups shows them).")
