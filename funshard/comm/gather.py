@@ -79,14 +79,13 @@ def all_gather(
     """
     dtypes = list(dtypes) if dtypes is not None else [s.dtype for s in shards]
     device = shards[0].device if shards else torch.device(mesh.device_type)
+    if layouts and skips(layouts[0].world):  # one rank: each full tensor is its shard, cast
+        check_transport(transport, where="comm")
+        return Gathered(None, lambda: _cast(shards, dtypes, into, layouts, device), layouts)
     bp = byte_plan(layouts, dtypes)
     if not bp.order:  # nothing has elements: nothing moves
         return Gathered(None, lambda: (list(into()) if into is not None
                                        else new_padded(layouts, dtypes, device)), layouts)
-    world = layouts[bp.order[0]].world
-    if skips(world):  # a world of one: each full tensor is its shard, cast in one copy
-        check_transport(transport, where="comm")
-        return Gathered(None, lambda: _cast(shards, dtypes, into, layouts, device), layouts)
     pg = process_groups(mesh)[0]
     # moving bytes is never differentiated (the step's Gather node is); a gather in backward
     # runs with grad mode on and may copy from shards that require grad
