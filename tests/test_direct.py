@@ -158,3 +158,45 @@ def what_stand_ins_refuse(spec, kind):
 def test_what_stand_ins_refuse_trains_on_the_direct_path(pools, kind):
     err = pools.run(1, what_stand_ins_refuse, kind)[0]
     assert err < 1e-6, err
+
+
+def refused_and_accumulated(spec, how):
+    """A step the step refuses (a NaN batch) or skips leaves the kept leaves clean for the
+    next, and accumulation sums micro-batches in the leaves' hand-over: the direct path ends
+    where the stand-ins' (the collectives forced) end, and a refused step as if never run."""
+    model = _mlp()
+
+    def loss_fn(p, b):
+        return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
+
+    def run(policy, batches, forced=False):
+        step = fs.train_step(loss_fn, fs.optim.adamw(lr=0.05), policy=policy)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        kinds = []
+        with force_collectives(forced):
+            for b in batches:
+                got = []
+                kinds.append(capture(lambda: got.append(step(state, b)))[0])
+                state = got[0][0] if got else state
+        return fs.unshard(state.params), kinds
+
+    plain = _batches(3)
+    bad = (torch.full((4, 4), float("nan")), torch.zeros(4, 2))
+    policy = fs.Policy(accumulate=2 if how == "accumulate" else 1,
+                       skip_nonfinite=how == "skip")
+    batches = plain if how == "accumulate" else [plain[0], bad, *plain[1:]]
+    direct, kinds = run(policy, batches)
+    stand, stand_kinds = run(policy, batches, forced=True)
+    errs = [max((direct[k] - stand[k]).abs().max().item() for k in direct)]
+    if how == "refuse":  # as if the NaN batch had never come
+        ref, _ = run(fs.Policy(), plain)
+        errs.append(max((direct[k] - ref[k]).abs().max().item() for k in direct))
+    return errs, kinds, stand_kinds
+
+
+@pytest.mark.parametrize("how", ["refuse", "skip", "accumulate"])
+def test_refused_skipped_and_accumulated_steps_on_the_direct_path(pools, how):
+    errs, kinds, stand_kinds = pools.run(1, refused_and_accumulated, how)[0]
+    assert all(e == 0.0 for e in errs), errs
+    expected = [None, "FloatingPointError" if how == "refuse" else None, None, None]
+    assert kinds == stand_kinds == expected[:len(kinds)], (kinds, stand_kinds)
