@@ -10,20 +10,7 @@ from torch import nn
 
 import funshard as fs
 from funshard.testing import capture, mesh
-
-
-class MatMulT(torch.autograd.Function):
-    """``a @ w.t()`` with a hand-written backward that saves ``w`` (save_for_backward)."""
-
-    @staticmethod
-    def forward(ctx, a, w):
-        ctx.save_for_backward(a, w)
-        return a @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        a, w = ctx.saved_tensors
-        return g @ w, g.t() @ a
+from funshard.testing.models import MatMulT
 
 
 def _model():

@@ -10,6 +10,7 @@ import funshard as fs
 from funshard.comm import force_collectives
 from funshard.step.lazy import LazyParam
 from funshard.testing import capture, mesh
+from funshard.testing.models import MatMulT
 
 
 def _mlp():
@@ -115,23 +116,9 @@ def test_a_gradient_from_outside_the_step_is_refused_by_name(pools):
     assert "parameter '2.weight' (shape (2, 8)) has a gradient from outside the step" in msg
 
 
-class _Mul(torch.autograd.Function):
-    """x @ w.T whose backward is its own (saves both)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.t() @ x
-
-
 def _loss(kind, model, p, b):
     if kind == "custom_function":  # a Function is the first to touch '0.weight'
-        h = _Mul.apply(b[0], p["0.weight"]) + p["0.bias"]
+        h = MatMulT.apply(b[0], p["0.weight"]) + p["0.bias"]
         return F.mse_loss(torch.relu(h) @ p["2.weight"].t() + p["2.bias"], b[1])
     with torch.autograd.graph.save_on_cpu():  # saved-tensor hooks around the whole model
         return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])

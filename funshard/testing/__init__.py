@@ -7,7 +7,7 @@ tensor memory, parity inputs, small reference models.
 
 ``pool`` (Pool, mesh, the lane's DEVICE / device / devices_for), ``counting`` (classify, CountCollectives), ``memory`` (LiveMemory,
 LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture), ``launch`` (free_port,
-under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss).
+under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss, MatMulT).
 """
 
 from . import models

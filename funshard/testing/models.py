@@ -97,3 +97,17 @@ def mse_loss(model: nn.Module):
         return F.mse_loss(call(model, params, x).float(), y)
 
     return loss_fn
+
+
+class MatMulT(torch.autograd.Function):
+    """``a @ w.t()`` with a hand-written backward that saves ``w`` (save_for_backward)."""
+
+    @staticmethod
+    def forward(ctx, a, w):
+        ctx.save_for_backward(a, w)
+        return a @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        return g @ w, g.t() @ a
