@@ -87,33 +87,53 @@ def test_a_kept_parameter_is_the_live_parameter(pools):
     assert live == 0.0 and err == 0.0, (live, err)
 
 
-def gradient_from_outside(spec):
-    """A parameter kept past its step and differentiated outside: the next step refuses by
-    name with the state unchanged, and runs once the gradient is cleared."""
+def done_to_a_leaf(spec, kind):
+    """loss_fn (or its caller) does something to a parameter that would outlast the step if
+    the leaf were reused: it lasts one step. Returns the direct path's parameters after three
+    steps and the same run's with the stand-ins (the collectives forced), or, for a gradient
+    from outside the step, a run without it."""
     model = _mlp()
     kept = {}
 
     def loss_fn(p, b):
+        w = p["2.weight"]
+        if kind == "hook":  # every step: the direct path must not stack them
+            w.register_hook(lambda g: g * 0.5)
+        if not kept and kind == "data":  # step 1 only
+            w.data = w.data.clone()
+        if not kept and kind == "requires_grad":
+            w.requires_grad_(False)
         kept.update(p)
         return F.mse_loss(torch.func.functional_call(model, p, (b[0],)), b[1])
 
-    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
-    b1, b2 = _batches(2)
-    state, _ = step(state, b1)
-    (kept["2.weight"] * 2).sum().backward()
-    before = {k: v.to_local().clone() for k, v in state.params.items()}
-    t, msg = capture(lambda: step(state, b2))
-    same = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
-    kept["2.weight"].grad = None
-    state, metrics = step(state, b2)
-    return t, msg, same, metrics["loss"] > 0
+    def run(forced, outside=True):
+        kept.clear()
+        step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        seen, mine = [], None
+        with force_collectives(forced):
+            for j, b in enumerate(_batches(3)):
+                state, _ = step(state, b)
+                seen.append(fs.unshard(state.params)["2.weight"].clone())
+                if j == 0 and kind == "outside_grad" and outside:
+                    mine = kept["2.weight"]
+                    (mine * 2).sum().backward()  # the caller's own gradient
+        return fs.unshard(state.params), seen, None if mine is None else mine.grad
+
+    direct, seen, grad = run(False)
+    if kind == "requires_grad":  # frozen in step 1 only: steps 2 and 3 train it
+        return [float(not torch.equal(a, b)) for a, b in zip(seen, seen[1:])], True
+    other, _, _ = run(kind != "outside_grad", outside=False)
+    err = max((direct[k] - other[k]).abs().max().item() for k in direct)
+    # the caller's gradient stays the caller's, on the tensor it differentiated
+    return [err], (grad is not None) == (kind == "outside_grad")
 
 
-def test_a_gradient_from_outside_the_step_is_refused_by_name(pools):
-    t, msg, same, ran = pools.run(1, gradient_from_outside)[0]
-    assert t == "RuntimeError" and same and ran, (t, msg)
-    assert "parameter '2.weight' (shape (2, 8)) has a gradient from outside the step" in msg
+@pytest.mark.parametrize("kind", ["hook", "data", "outside_grad", "requires_grad"])
+def test_what_is_done_to_a_parameter_lasts_one_step(pools, kind):
+    got, ok = pools.run(1, done_to_a_leaf, kind)[0]
+    expect = [1.0, 1.0] if kind == "requires_grad" else [0.0]
+    assert got == expect and ok, (got, ok)
 
 
 def _loss(kind, model, p, b):

@@ -20,8 +20,9 @@ What the stand-ins checked is checked here another way, at a few microseconds a 
   renamed here;
 - a backward inside ``loss_fn``: a leaf with a ``.grad`` when forward ends
   (:meth:`Run.end_forward`);
-- a gradient from outside the step (a leaf kept past its step and differentiated): a
-  ``.grad`` when the step starts;
+- anything done to a leaf that would outlast its step (a gradient from a backward outside
+  the step, hooks, ``requires_grad_``, ``.data`` replaced): new leaves are made for the next
+  step (:class:`Leaves`), as a stand-in's gathered tensors are new every step;
 - a recompute (activation checkpointing) that reads a module's own parameter, or a module
   ``fs.call`` installed twice: :class:`RecomputeGuard` over every direct backward. It sees
   only the Python-level torch calls made during backward, which a model without
@@ -57,8 +58,10 @@ def usable(params) -> bool:
 
 class Leaves:
     """The direct path's leaves for one :class:`ParamGroups`: one per parameter, on its
-    local shard's storage, trainable ones requiring grad; made again when the state's
-    shards are other tensors."""
+    local shard's storage, trainable ones requiring grad. Made again when the state's
+    shards are other tensors, and when anything was done to one (a ``.grad``, hooks,
+    ``requires_grad``, ``.data`` replaced): what ``loss_fn`` or a caller does to a leaf lasts
+    one step, as it does to a stand-in's gathered tensor."""
 
     def __init__(self):
         self.shards: list = []  # the local shards the leaves alias
@@ -67,19 +70,11 @@ class Leaves:
 
     def of(self, params, dtensors: list) -> list[torch.Tensor]:
         shards = [d._local_tensor for d in dtensors]
-        if len(shards) != len(self.shards) or not all(map(operator.is_, shards, self.shards)):
+        if (len(shards) != len(self.shards) or not all(map(operator.is_, shards, self.shards))
+                or not all(map(_intact, self.leaves, shards, params.trainable))):
             self.shards = shards
             self.leaves = [s.detach().requires_grad_(t)
                            for s, t in zip(shards, params.trainable)]
-        for i, leaf in enumerate(self.leaves):
-            if leaf.grad is not None:
-                lay = params.layouts[i]
-                raise RuntimeError(
-                    f"train_step: parameter {lay.path!r} (shape {tuple(lay.shape)}) has a "
-                    "gradient from outside the step: a tensor loss_fn received was kept past "
-                    "its step and differentiated, and the step would add that gradient to "
-                    "its own. The parameters and optimizer state are unchanged. Set its "
-                    ".grad to None, or use fs.unshard(state.params) outside the step.")
         self.versions = [leaf._version for leaf in self.leaves]
         return self.leaves
 
@@ -88,6 +83,14 @@ class Leaves:
         for i, (leaf, v) in enumerate(zip(self.leaves, self.versions)):
             if leaf._version != v:
                 raise in_place_error(params.layouts[i].path, "an in-place op", landed=True)
+
+
+def _intact(leaf: torch.Tensor, shard: torch.Tensor, trainable: bool) -> bool:
+    """As made: no gradient, no hooks, the same requires_grad, still on the shard's memory
+    (about 0.25 us)."""
+    return (leaf.grad is None and leaf.requires_grad is trainable and not leaf._backward_hooks
+            and not getattr(leaf, "_post_accumulate_grad_hooks", None)
+            and leaf.data_ptr() == shard.data_ptr())
 
 
 class Refusals:
