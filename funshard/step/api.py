@@ -72,7 +72,9 @@ class Policy:
             otherwise such a step raises ``FloatingPointError`` naming the first parameter
             whose gradient is not finite, leaving the state unchanged. True is sugar for
             ``fs.optim.apply_if_finite()`` first in front of the optimizer (a non-finite loss
-            counts too); ``metrics["skipped"]`` says whether it dropped the update.
+            counts too); ``metrics["skipped"]`` says whether it dropped the update. A
+            skipped step still counts in ``state.step``, which the optimizer's schedules and
+            Adam's bias correction read (torch's GradScaler leaves Adam's own count alone).
         transport: how buckets move: ``"auto"`` (on gloo CPU groups, ranks of one host read
             each other's memory, else a direct point-to-point exchange; the backend's
             collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm`).
