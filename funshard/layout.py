@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import pytree
-from .mesh import REPLICATE, SHARD, mesh_str, shard_dim
+from .mesh import SHARD, mesh_str, shard_dim
 
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
 

@@ -66,7 +66,7 @@ class C10d(Transport):
         inp = out.view(world, -1)[rank]
         dst, src, offset = [], [], 0
         for i, size in zip(bp.order, bp.sizes):
-            lay, n = layouts[i], layouts[i].local_rows * layouts[i].row_numel
+            n = layouts[i].local_rows * layouts[i].row_numel
             if n:
                 dst.append(inp[offset : offset + n * dtypes[i].itemsize].view(dtypes[i]))
                 src.append(shards[i].reshape(-1))

@@ -19,6 +19,7 @@ from .tensors import TEST_DTYPES, capture, make_tensor
 
 __all__ = [
     "DEVICE",
+    "models",
     "TEST_DTYPES",
     "CountCollectives",
     "LiveMemory",
