@@ -169,8 +169,9 @@ def test_what_stand_ins_refuse_trains_on_the_direct_path(pools, kind):
 
 def refused_and_accumulated(spec, how):
     """A step the step refuses (a NaN batch) or skips leaves the kept leaves clean for the
-    next, and accumulation sums micro-batches in the leaves' hand-over: the direct path ends
-    where the stand-ins' (the collectives forced) end, and a refused step as if never run."""
+    next, accumulation sums micro-batches in the leaves' hand-over, and a reduce dtype rounds
+    the gradients: the direct path ends where the stand-ins' (the collectives forced) end,
+    and a refused step as if never run."""
     model = _mlp()
 
     def loss_fn(p, b):
@@ -190,8 +191,9 @@ def refused_and_accumulated(spec, how):
     plain = _batches(3)
     bad = (torch.full((4, 4), float("nan")), torch.zeros(4, 2))
     policy = fs.Policy(accumulate=2 if how == "accumulate" else 1,
-                       skip_nonfinite=how == "skip")
-    batches = plain if how == "accumulate" else [plain[0], bad, *plain[1:]]
+                       skip_nonfinite=how == "skip",
+                       reduce_dtype=torch.bfloat16 if how == "reduce_bf16" else None)
+    batches = plain if how in ("accumulate", "reduce_bf16") else [plain[0], bad, *plain[1:]]
     direct, kinds = run(policy, batches)
     stand, stand_kinds = run(policy, batches, forced=True)
     errs = [max((direct[k] - stand[k]).abs().max().item() for k in direct)]
@@ -201,7 +203,8 @@ def refused_and_accumulated(spec, how):
     return errs, kinds, stand_kinds
 
 
-@pytest.mark.parametrize("how", ["refuse", "skip", "accumulate"])
+# reduce_bf16: gradients rounded to bfloat16 on the way, as the bucket does at any world
+@pytest.mark.parametrize("how", ["refuse", "skip", "accumulate", "reduce_bf16"])
 def test_refused_skipped_and_accumulated_steps_on_the_direct_path(pools, how):
     errs, kinds, stand_kinds = pools.run(1, refused_and_accumulated, how)[0]
     assert all(e == 0.0 for e in errs), errs
