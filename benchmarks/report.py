@@ -225,6 +225,14 @@ def _per_round(out: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(rounds[a], rounds[b]))
 
 
+def targets_lines(checks: list[tuple[str, float, float]]) -> list[str]:
+    """A markdown table of ``(target, value, limit)``, met when the value is at most the
+    limit (a blank line first)."""
+    return ["", "| target | value | limit | met |", "|---|---:|---:|---|"] + [
+        f"| {what} | {value:.3f} | {limit} | {'yes' if value <= limit else 'NO'} |"
+        for what, value, limit in checks]
+
+
 def shapes_table(outs: dict[str, dict]) -> str:
     """Issue 18's table over shapes, from one :func:`summarize` per shape (``{label: out}``):
     funshard FULL_SHARD against FSDP2 ``fully_shard`` per block and the floor, and Muon
@@ -259,7 +267,7 @@ def shapes_table(outs: dict[str, dict]) -> str:
         lines.append(f"| {label} | {_ratios(r, 'twin')} | {_ratios(r, 'floor')} | "
                      f"{_f(r.get('x_twin_os_peak'), '{:.3f}')} | {in_step} | {muon} | "
                      f"{ac_text} | {cc_text} |")
-    lines += ["", "| target | value | limit | met |", "|---|---:|---:|---|"]
+    found = []
     for label, out in outs.items():
         r, letter = out["modes"].get("funshard_full", {}), label[:1]
         checks = {"A": (("x_twin", 0.8), ("x_floor", 1.15)),
@@ -270,8 +278,5 @@ def shapes_table(outs: dict[str, dict]) -> str:
             r = dict(r, x_muon=statistics.median(
                 a / b for a, b in zip(rounds["funshard_full_muon"], rounds["funshard_full"])))
             checks += (("x_muon", 1.3),)
-        for key, limit in checks:
-            if key in r:
-                lines.append(f"| {letter} {key} | {r[key]:.3f} | {limit} | "
-                             f"{'yes' if r[key] <= limit else 'NO'} |")
-    return "\n".join(lines)
+        found += [(f"{letter} {key}", r[key], limit) for key, limit in checks if key in r]
+    return "\n".join(lines + targets_lines(found))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from .modes import Config
+from .report import targets_lines
 
 SINGLE = {
     "small": dict(kind="gpt", blocks=4, dim=256, vocab=256, seq=128, batch=8),
@@ -76,7 +77,4 @@ def single_table(outs: dict[str, dict]) -> str:
             checks.append((f"{label}: funshard / FSDP2", fs["x_twin"], 0.8))
         if mem is not None:
             checks.append((f"{label}: peak memory funshard / FSDP2", mem, 1.0))
-    lines += ["", "| target | value | limit | met |", "|---|---:|---:|---|"]
-    lines += [f"| {what} | {value:.3f} | {limit} | {'yes' if value <= limit else 'NO'} |"
-              for what, value, limit in checks]
-    return "\n".join(lines)
+    return "\n".join(lines + targets_lines(checks))

@@ -33,7 +33,6 @@ class Grads(NamedTuple):
     order: tuple  # per micro-batch, the groups in the order forward and backward used them
 
 
-
 def check_trained(params: ParamGroups, grads: list) -> None:
     """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
     if any(params.trainable) and all(g is None for g in grads):
