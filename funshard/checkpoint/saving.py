@@ -172,9 +172,10 @@ def _stage(v: Any, devices: set) -> Any:
     copied into pinned host memory without waiting; ``devices`` collects the GPUs to wait
     for before the snapshot is read."""
     if isinstance(v, DTensor):
-        local = _host_copy(v._local_tensor.detach(), devices)
-        return DTensor.from_local(local, v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride())
+        # the same spec around the host copy: from_local would move it back to the mesh's
+        # device (a second full copy of the state on the GPU), as torch's own staging avoids
+        return DTensor(_host_copy(v._local_tensor.detach(), devices), v._spec,
+                       requires_grad=False)
     if isinstance(v, torch.Tensor):
         return _host_copy(v.detach(), devices)
     return v
