@@ -6,6 +6,7 @@
 #   bash scripts/test.sh --device cuda     # the CUDA lane: the tests marked `lane` on GPUs
 #                                          # (NCCL; world 1 with every collective forced),
 #                                          # multi-rank ones where there are enough GPUs
+# --device cuda where torch sees no GPU fails (exit 3) rather than skip everything.
 # $FUNSHARD_PY names an interpreter that already has torch and the test packages (a GPU
 # machine's own): then no set-up runs and that interpreter runs pytest.
 set -euo pipefail
@@ -26,6 +27,14 @@ if [ -n "${FUNSHARD_PY:-}" ]; then
 else
   FUNSHARD_EXTRAS=test bash scripts/setup.sh
   PY=.venv/bin/python
+fi
+if [ "${FUNSHARD_TEST_DEVICE:-}" = "cuda" ] && [ -z "${FUNSHARD_LANE_NO_GPU_OK:-}" ] &&
+   ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  # every lane test would skip and pytest would exit 0: that is no CUDA run
+  echo "test.sh --device cuda: $PY's torch ($("$PY" -c 'import torch; print(torch.__version__)'))" \
+       "sees no CUDA GPU. Run it on a GPU machine with FUNSHARD_PY set to that machine's" \
+       "python (FUNSHARD_LANE_NO_GPU_OK=1 only lists the skips)" >&2
+  exit 3
 fi
 set +e
 "$PY" -m pytest "$@"

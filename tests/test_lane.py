@@ -43,9 +43,10 @@ POLICIES = {
 }
 
 
-def forced(world: int):
-    """A world of one runs its collectives; a bigger one has them anyway."""
-    return comm.force_collectives() if world == 1 else contextlib.nullcontext()
+def forced(world: int, on: bool = True):
+    """A world of one runs its collectives (``on``) or skips them, whatever the lane's
+    FUNSHARD_FORCE_COLLECTIVES says; a bigger one has them anyway."""
+    return comm.force_collectives(on) if world == 1 else contextlib.nullcontext()
 
 
 def _gpt(dev):
@@ -68,7 +69,7 @@ def step_equals_one_process(spec, policy, force=True):
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     policy = dict(policy)
     fused = policy.pop("_fused", False)
-    with forced(world) if force else contextlib.nullcontext():
+    with forced(world, force):
         model = _gpt(dev)
         ref = copy.deepcopy(model)
         step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
@@ -212,8 +213,17 @@ def checkpoint_across_devices(spec, path):
             states[where] = state
         fs.checkpoint.save(path + "/a", states["device"])
         on_cpu = fs.checkpoint.load(path + "/a", like=states["cpu"])
-        # an asynchronous save stages the device's tensors on the host first
-        fs.checkpoint.save(path + "/c", states["device"], async_save=True).result()
+        # an asynchronous save stages the device's tensors on the host first (pinned, from
+        # a GPU), and leaves them there: no second copy of the state on the device
+        from funshard.checkpoint import saving
+        stage, snaps = saving._stage, []
+        saving._stage = lambda v, devices: snaps.append(stage(v, devices)) or snaps[-1]
+        try:
+            fs.checkpoint.save(path + "/c", states["device"], async_save=True).result()
+        finally:
+            saving._stage = stage
+        snaps = [getattr(t, "_local_tensor", t) for t in snaps if isinstance(t, torch.Tensor)]
+        host = {(t.device.type, t.is_pinned() or dev.type == "cpu") for t in snaps}
         staged = fs.checkpoint.load(path + "/c", like=states["cpu"])
         fs.checkpoint.save(path + "/b", on_cpu)
         again = fs.checkpoint.load(path + "/b", like=states["device"])
@@ -226,13 +236,14 @@ def checkpoint_across_devices(spec, path):
                    in zip(local(states["device"]), local(on_cpu), local(again), local(staged)))
         kinds = tuple({t.device.type for t in fs.pytree.leaves(tree) if isinstance(t, torch.Tensor)}
                       for tree in (on_cpu, again))
-        return same, kinds
+        return same, kinds, host
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_checkpoint_across_devices(pools, spec, tmp_path):
-    for same, kinds in pools.run(spec, checkpoint_across_devices, str(tmp_path)):
+    for same, kinds, host in pools.run(spec, checkpoint_across_devices, str(tmp_path)):
         assert same and kinds == ({"cpu"}, {DEVICE}), (same, kinds)
+        assert host == {("cpu", True)}, host
 
 
 def _run(args, timeout=300):
@@ -276,12 +287,19 @@ def test_benchmark_short_on_device(tmp_path, precision):
 
 
 def test_the_cuda_lane_without_a_gpu_skips_saying_why():
-    """``scripts/test.sh --device cuda`` on a machine with no GPU: the lane's tests are
-    collected, none runs, and each skip names the missing GPUs; the CPU tests are left out."""
+    """``scripts/test.sh --device cuda`` on a machine with no GPU fails, saying so; with
+    FUNSHARD_LANE_NO_GPU_OK=1 the lane's tests are collected, none runs, and each skip names
+    the missing GPUs; the CPU tests are left out."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the lane runs for real there")
     env = dict(os.environ, FUNSHARD_PY=sys.executable)
     env.pop("FUNSHARD_TEST_DEVICE", None)
+    env.pop("FUNSHARD_LANE_NO_GPU_OK", None)
+    # with no GPU the lane refuses to run at all: a run of skips is no CUDA run
+    none = subprocess.run(["bash", "scripts/test.sh", "--device", "cuda", "tests/test_lane.py"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert none.returncode == 3 and "sees no CUDA GPU" in none.stderr, none.stderr[-2000:]
+    env["FUNSHARD_LANE_NO_GPU_OK"] = "1"  # list the skips: each names what is missing
     proc = subprocess.run(["bash", "scripts/test.sh", "--device", "cuda", "tests/test_lane.py",
                            "-q", "-k", "not without_a_gpu"],
                           capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
