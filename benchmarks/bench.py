@@ -41,6 +41,7 @@ import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from funshard.testing import under_torchrun
@@ -88,7 +89,9 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench",
                                  description=__doc__.split("\n")[0])
     d = Config()
-    ap.add_argument("--world", type=int, default=d.world, help="local ranks to spawn")
+    ap.add_argument("--world", type=int, default=None,
+                    help=f"local ranks to spawn (default {d.world}; on cuda at most the GPUs "
+                         "there are: NCCL ranks cannot share one)")
     ap.add_argument("--shape", default="gpt", choices=tuple(SHAPES),
                     help="the model: gpt (the flags below) or issue 18's A, B, C (fixed shapes)")
     ap.add_argument("--shapes", default="", metavar="A,B,C",
@@ -130,10 +133,21 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def config_of(args) -> Config:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world
+    if args.device == "cuda" and not _gpus():
+        raise SystemExit("bench: --device cuda, but torch sees no CUDA GPU here")
+    if world is None:
+        world = Config.world if args.device != "cuda" else min(Config.world, _gpus())
     if world < 1:
         raise SystemExit(f"bench: --world {world} must be >= 1")
+    if args.device == "cuda" and not under_torchrun() and world > _gpus():
+        raise SystemExit(f"bench: --world {world} on cuda needs {world} GPUs (one per rank: "
+                         f"NCCL ranks cannot share one); this machine has {_gpus()}")
     modes = tuple(m for m in args.modes.split(",") if m) or default_modes(world)
     for m in modes:
         if m not in MODES:
@@ -169,7 +183,8 @@ def run_shapes(args) -> dict:
         print(f"\n## {LABELS[name]}\n\n{table(out)}", flush=True)
         outs[LABELS[name]] = out
     print(f"\n## issue 18: funshard FULL_SHARD vs FSDP2 (fully_shard per block), "
-          f"{args.world} ranks, AdamW\n\n{shapes_table(outs)}")
+          f"{next(iter(outs.values()))['config']['world']} ranks, AdamW\n\n"
+          f"{shapes_table(outs)}")
     return {"shapes": outs}
 
 

@@ -251,3 +251,17 @@ def test_bench_single_table(pools):
         mine, theirs = (out["modes"][m]["live_peak_mb"] for m in ("funshard_full", "fsdp2_full"))
         assert mine <= theirs + 1 / 16, (label, mine, theirs)
     json.dumps(outs)
+
+
+def test_cuda_world_fits_the_gpus_there():
+    """On cuda the default world is at most the GPUs there are (one per NCCL rank), and a
+    world they cannot hold, or no GPU at all, is refused before anything is spawned."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert bench.config_of(bench.parse([])).world == Config.world
+    if not n:
+        with pytest.raises(SystemExit, match="sees no CUDA GPU"):
+            bench.config_of(bench.parse(["--device", "cuda"]))
+        return
+    assert bench.config_of(bench.parse(["--device", "cuda"])).world == min(Config.world, n)
+    with pytest.raises(SystemExit, match=f"needs {n + 1} GPUs"):
+        bench.config_of(bench.parse(["--device", "cuda", "--world", str(n + 1)]))
