@@ -23,13 +23,13 @@ from funshard.testing.models import GPT  # stands in for your transformer
 CONFIG = dict(vocab=64, dim=64, heads=4, layers=2, seq=32)
 
 
-def get_batch(step: int, rank: int, world: int, batch: int):
-    """This rank's rows of the global batch of ``step``: token ids counting up from a random
-    start (a pattern the model can learn). x, y: (batch // world, seq)."""
+def get_batch(step: int, rank: int, world: int, batch: int, device="cpu"):
+    """This rank's rows of the global batch of ``step`` on ``device``: token ids counting up
+    from a random start (a pattern the model can learn). x, y: (batch // world, seq)."""
     g = torch.Generator().manual_seed(step)
     start = torch.randint(0, CONFIG["vocab"], (batch, 1), generator=g)
     rows = (start + torch.arange(CONFIG["seq"] + 1)) % CONFIG["vocab"]  # (batch, seq + 1)
-    mine = rows.chunk(world)[rank]
+    mine = rows.chunk(world)[rank].to(device)
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -37,6 +37,7 @@ def main(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rep, sh = (int(n) for n in (args.mesh or f"1x{world}").split("x"))
     mesh = fs.make_mesh(shard=sh, replicate=rep)  # ("replicate", "shard"); gloo on CPU
+    dev = fs.mesh.mesh_device(mesh)  # this rank's GPU, or the CPU: where the batches go
     rank = dist.get_rank()
     out = Path(args.out)
     torch.manual_seed(0)  # the same seed on every rank: anything random agrees across replicas
@@ -74,7 +75,7 @@ def main(args):
 
     # 4. Train: each rank its share of the global batch; the step's gradient is the mean.
     while state.step < args.steps:
-        state, metrics = step(state, get_batch(state.step, rank, world, args.batch))  # donates
+        state, metrics = step(state, get_batch(state.step, rank, world, args.batch, dev))  # donates
         say(f"step {state.step} loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f}")
         if state.step % args.ckpt_every == 0 or state.step == args.steps:
             fs.checkpoint.save(ckpts / f"step_{state.step:06d}", state)  # every rank, atomic
@@ -83,7 +84,7 @@ def main(args):
 
     # 5. Evaluate: a forward without gradients on a held-out batch (the whole batch on every
     #    rank), one group gathered at a time as in training (fs.eval_step runs any function).
-    x, y = get_batch(10**6, 0, 1, args.batch)
+    x, y = get_batch(10**6, 0, 1, args.batch, dev)
     val = fs.eval_step(loss_fn)(state.params, (x, y)).item()
     say(f"validation loss {val:.4f}")
 
@@ -93,7 +94,7 @@ def main(args):
     if trained is not None:
         torch.save(trained.state_dict(), out / "trained.pt")
         with torch.no_grad():
-            again = F.cross_entropy(trained(x).flatten(0, 1), y.flatten()).item()
+            again = F.cross_entropy(trained(x.cpu()).flatten(0, 1), y.cpu().flatten()).item()
         say(f"exported to {out / 'trained.pt'} (validation loss {again:.4f} in plain PyTorch)")
     dist.destroy_process_group()
 

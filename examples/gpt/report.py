@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (VmHWM), or CUDA's peak allocation."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+def peak_rss_mb(device: torch.device) -> float:
+    """This process's peak on ``device``: CUDA's peak allocation on a GPU, else the peak
+    resident memory (VmHWM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -202,7 +202,7 @@ def _record(run: Run, step: int, m: dict, dt: float, tokens_per_step: int, metri
     """Rank 0: one JSON line of the step's metrics, and the progress bar."""
     rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"],
            "lr": run.lr(step - 1), "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-           "peak_mem_mb": peak_rss_mb(), "world": run.world, "mesh": run.mesh}
+           "peak_mem_mb": peak_rss_mb(run.device), "world": run.world, "mesh": run.mesh}
     if "val_loss" in m:
         rec["val_loss"] = m["val_loss"]
     metrics_file.write(json.dumps(rec) + "\n")
@@ -221,7 +221,7 @@ def finish(run: Run, state: fs.TrainState, log: dict, val_data: torch.Tensor,
     val = evaluate(run, state, val_data)
     sample = _sample(run, state)
     peaks = [None] * run.world
-    dist.all_gather_object(peaks, peak_rss_mb())
+    dist.all_gather_object(peaks, peak_rss_mb(run.device))
     losses = log["losses"]
     summary = {
         "final_loss": losses[-1] if losses else None,
