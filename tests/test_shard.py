@@ -479,6 +479,40 @@ def test_flat_api_fallback_is_the_same(pools, spec, shapes, seed):
         assert api == want
 
 
+def complex_reduce(spec):
+    """Complex gradients through the c10d transport: the mean of every rank's, and what the
+    reduce-scatter call was given."""
+    from funshard.comm import c10d, gather, reduce_scatter
+    from funshard.layout import layout_of, local_slice
+
+    m, rank, world = mesh(spec), dist.get_rank(), dist.get_world_size()
+    fulls = [torch.randn(5, 3, generator=torch.Generator().manual_seed(r), dtype=torch.cfloat)
+             for r in range(world)]
+    lay = layout_of("w", fs.shard({"w": fulls[0]}, m)["w"])
+    seen, default, api = [], gather._IMPLS["c10d"], c10d.API
+
+    def spy(out, inp, **kw):
+        seen.append((out.dtype, inp.dtype))
+        return api.reduce_scatter(out, inp, **kw)
+
+    gather._IMPLS["c10d"] = c10d.C10d(c10d.FlatApi(api.name, api.all_gather, spy))
+    try:
+        (got,) = reduce_scatter([lay], [fulls[rank]], m, transport="c10d")
+    finally:
+        gather._IMPLS["c10d"] = default
+    err = (got - local_slice(sum(fulls) / world, lay)).abs().max().item() if got.numel() else 0.0
+    return got.dtype, err, seen
+
+
+@pytest.mark.parametrize("spec", [2, 3], ids=str)
+def test_complex_gradients_reduce_as_pairs_of_reals(pools, spec):
+    """NCCL has no complex type: the c10d transport reduces a complex gradient as pairs of
+    reals (the sum of (re, im) pairs is the complex sum), and gets the complex mean."""
+    for rank, (dtype, err, seen) in enumerate(pools.run(spec, complex_reduce)):
+        assert dtype == torch.cfloat and err < 1e-6, (rank, dtype, err)
+        assert seen and not any(a.is_complex or b.is_complex for a, b in seen), seen
+
+
 @pytest.mark.parametrize("spec", [2, 3, "2x2"], ids=str)
 def test_zero_size_leaf_gradient_keeps_placement(pools, spec):
     """A leaf with a dimension of 0 (uneven: some ranks hold no rows) gets a Shard(0)

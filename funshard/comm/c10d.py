@@ -89,4 +89,6 @@ class C10d(Transport):
         return Gathered(work if async_op else None, finish, layouts)
 
     def reduce_scatter(self, out, inp, pg):
+        if out.is_complex():  # NCCL has no complex type: a sum of (re, im) pairs is the same
+            out, inp = torch.view_as_real(out).view(-1), torch.view_as_real(inp.view(-1))
         return self.api.reduce_scatter(out, inp.view(-1), group=pg, async_op=True)
