@@ -85,6 +85,35 @@ def test_elementwise_torch_optimizers_on_shards_equal_one_process(pools, spec):
         assert all(e < 1e-6 for e in errs.values()), errs
 
 
+def test_scalars_kept_elsewhere_cross_once_per_key(monkeypatch):
+    """Where torch keeps a per-parameter scalar on another device than the state's (Adam's
+    step on the CPU for a GPU parameter), the update moves every leaf's at once, and trains
+    as torch does; "cpu:0" stands in for the other device here (a copy each way)."""
+    init, grads = _data(3)
+    probe, moves = optim.torch_optim._probe, []
+
+    def elsewhere(cls, kwargs, like):
+        return {k: (e, torch.device("cpu", 0) if dev is not None else None, dt)
+                for k, (e, dev, dt) in probe(cls, kwargs, like).items()}
+
+    monkeypatch.setattr(optim.torch_optim, "_probe", elsewhere)
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: moves.append(a) or to(t, *a, **kw))
+    m = fs.make_mesh(device_type="cpu")
+    for name, kw in [("Adam", dict(lr=1e-2)), ("NAdam", dict(lr=1e-2))]:
+        opt = optim.from_torch(getattr(torch.optim, name), **kw)
+        params = _sharded(m, init)
+        moves.clear()
+        params, state = _run(opt, params, opt.init(params), grads, 0, STEPS)
+        full, ref = fs.unshard(params), _one_process(name, kw, init, grads)
+        assert all(torch.allclose(full[k], ref[k], rtol=1e-6, atol=1e-7) for k in SHAPES), name
+        # per step: each scalar key there and back once (step 0: only back), not per leaf
+        scalars = sum(dev is not None for _, dev, _ in elsewhere(
+            getattr(torch.optim, name), kw, init["w"]).values())
+        crossings = [a for a in moves if a and a[0] == torch.device("cpu", 0)]
+        assert len(crossings) == scalars * (STEPS - 1), (name, len(crossings), scalars)
+
+
 def test_lr_schedule_is_torch_lambda_lr():
     init, grads = _data(2)
     sched = lambda step: 0.1 / (1 + step)

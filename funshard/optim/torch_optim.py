@@ -151,18 +151,28 @@ def _step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState, p_leav
         raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
                          "(requires_grad=False at init)")
     started = torch.stack([local(counts[i]) for i in idx]).tolist()  # one sync
-    ours = {}
+    ours = {i: {k: local(s_leaves[k][i]) for k in keys} for i in idx}
+    # a scalar torch keeps elsewhere (Adam's step on the CPU for a GPU parameter) crosses
+    # once per key for all leaves, not once per leaf: each crossing is a device sync
+    moved = {k: dev for k, (_, dev, _) in keys.items()
+             if dev is not None and idx and ours[idx[0]][k].device != dev}
+    stepped = [i for i, n in zip(idx, started) if n > 0]
+    there = {k: torch.stack([ours[i][k] for i in stepped]).to(dev).unbind() if stepped else ()
+             for k, dev in moved.items()}
+    j = 0
     for v, i, n in zip(views, idx, started):
-        ours[i] = {k: local(s_leaves[k][i]) for k in keys}
         if n > 0:
-            opt.state[v] = {k: (t if keys[k][1] is None or t.device == keys[k][1] else t.to(keys[k][1]))
-                            for k, t in ours[i].items()}
+            opt.state[v] = {k: there[k][j] if k in moved else t for k, t in ours[i].items()}
+            j += 1
     opt.step()
     with torch.no_grad():
+        for k in moved:  # back in one crossing, then one copy into every leaf's scalar
+            back = torch.stack([opt.state[v][k] for v in views]).to(ours[idx[0]][k].device)
+            torch._foreach_copy_([ours[i][k] for i in idx], list(back.unbind()))
         for v, i in zip(views, idx):
             for k, t in ours[i].items():
                 theirs = opt.state[v][k]
-                if theirs is not t:
+                if k not in moved and theirs is not t:
                     t.copy_(theirs)
-            local(counts[i]).add_(1)
             v.grad = None
+        torch._foreach_add_([local(counts[i]) for i in idx], 1)
