@@ -19,6 +19,7 @@ from funshard.comm import failures
 from funshard.testing import CountCollectives, LivePeak, tensor_bytes
 
 from .modes import Config, batches, build_mode, build_model, device_of, meshes_for
+from .overlap import kernels_of, overlap_of, overlap_text
 
 _METRICS_MAX = 64  # all-reduces this small are the step's metrics (loss, grad norm)
 
@@ -112,7 +113,9 @@ def time_modes(cfg: Config) -> dict:
                 for _ in range(2):
                     step(m)
                 _sync(cfg)
-            profiles[m] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            profiles[m] = (prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                     row_limit=30)
+                           + "\n" + overlap_text(overlap_of(kernels_of(prof))))
         else:
             for _ in range(2):
                 step(m)

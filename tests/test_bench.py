@@ -265,3 +265,23 @@ def test_cuda_world_fits_the_gpus_there():
     assert bench.config_of(bench.parse(["--device", "cuda"])).world == min(Config.world, n)
     with pytest.raises(SystemExit, match=f"needs {n + 1} GPUs"):
         bench.config_of(bench.parse(["--device", "cuda", "--world", str(n + 1)]))
+
+
+def test_overlap_counts_collective_time_under_compute():
+    """Issue 16's overlap figure: the collectives' busy time (a union over streams) and the
+    part of it during which any compute kernel ran, from the trace's kernels."""
+    from benchmarks.overlap import Kernel, kernels_of, overlap_of, overlap_text
+
+    ks = [Kernel("ncclDevKernel_AllGather", 7, 0, 10), Kernel("ncclDevKernel_AllGather", 7, 5, 20),
+          Kernel("ncclDevKernel_ReduceScatter", 9, 40, 50), Kernel("gemm", 3, 8, 12),
+          Kernel("gemm", 3, 15, 45), Kernel("elementwise", 3, 60, 70)]
+    s = overlap_of(ks)
+    assert s["collective_us"] == 20 + 10  # [0, 20] and [40, 50]
+    assert s["compute_us"] == 4 + 30 + 10  # [8, 12], [15, 45], [60, 70]
+    assert s["overlap_us"] == 4 + 5 + 5  # [8, 12], [15, 20], [40, 45]
+    assert s["overlap_share"] == 14 / 30
+    assert s["collective_streams"] == [7, 9] and s["compute_streams"] == [3]
+    assert "46.7%" in overlap_text(s)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(3).sum()
+    assert kernels_of(prof) == [] and "no device kernels" in overlap_text(overlap_of([]))
