@@ -40,7 +40,11 @@ POLICIES = {
     "checkpoint": {"checkpoint": True},
     "skip_nonfinite": {"skip_nonfinite": True},
     "fused_adamw": {"_fused": True},  # fs.optim.adamw(fused=True) vs torch's, same device
+    # torch.compile(loss_fn): inductor (Triton kernels) on GPUs; aot_eager on the CPU, where
+    # inductor would compile C++ for minutes (tests/test_compile.py covers the CPU)
+    "compile": {"_compile": True},
 }
+COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 
 
 def forced(world: int, on: bool = True):
@@ -69,10 +73,15 @@ def step_equals_one_process(spec, policy, force=True):
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     policy = dict(policy)
     fused = policy.pop("_fused", False)
+    compiled = policy.pop("_compile", False)
     with forced(world, force):
         model = _gpt(dev)
         ref = copy.deepcopy(model)
-        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
+        loss_fn = gpt_loss(model)
+        if compiled:
+            torch._dynamo.reset()
+            loss_fn = torch.compile(loss_fn, backend=COMPILE_BACKEND)
+        step = fs.train_step(loss_fn, fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
                              policy=fs.Policy(**policy))
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1,
@@ -80,7 +89,8 @@ def step_equals_one_process(spec, policy, force=True):
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             b = _batch(g, world, dev)
-            with CountCollectives() as cc:
+            # a dispatch mode (the counter) would make dynamo run loss_fn eagerly
+            with contextlib.nullcontext(None) if compiled else CountCollectives() as cc:
                 state, metrics = step(state, _local(b, rank))
             loss = F.cross_entropy(ref(b[0]).flatten(0, 1), b[1].flatten())
             opt.zero_grad()
@@ -91,7 +101,10 @@ def step_equals_one_process(spec, policy, force=True):
         full = fs.unshard(state.params)
         err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
         where = {t.device.type for t in fs.pytree.leaves(state) if isinstance(t, torch.Tensor)}
-        return err, abs(metrics["loss"] - loss.item()), dict(cc.counts), where
+        if compiled:  # dynamo captured graphs: the compute ran compiled, not eagerly
+            from torch._dynamo.utils import counters
+            assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+        return err, abs(metrics["loss"] - loss.item()), cc and dict(cc.counts), where
 
 
 @pytest.mark.parametrize("policy", list(POLICIES), ids=str)
@@ -101,12 +114,15 @@ def test_step_equals_one_process(pools, spec, policy):
             pools.run(spec, step_equals_one_process, POLICIES[policy])):
         assert err < TOL and loss_err < TOL, (rank, err, loss_err)
         assert where == {DEVICE}, where
+        if counts is None:  # compiled: not counted (see step_equals_one_process)
+            continue
         # the collective paths ran, on one rank too
         assert counts.get("all_gather", 0) > 0 and counts.get("reduce_scatter", 0) > 0, counts
         assert counts.get("all_reduce", 0) >= 1, counts  # the step's metrics
 
 
-@pytest.mark.parametrize("policy", ["full", "accumulate_clip", "checkpoint", "fused_adamw"])
+@pytest.mark.parametrize("policy", ["full", "accumulate_clip", "checkpoint", "fused_adamw",
+                                    "compile"])
 def test_one_device_as_a_user_runs_it(pools, policy):
     """A world of one with its collectives not forced, as on a single GPU: nothing to gather,
     the parameters are autograd leaves on the shards (Group.alias), no collective runs."""
@@ -114,7 +130,7 @@ def test_one_device_as_a_user_runs_it(pools, policy):
                                              False)[0]
     assert err < TOL and loss_err < TOL, (err, loss_err)
     assert where == {DEVICE}, where
-    assert counts == {}, counts
+    assert counts == {} or (counts is None and policy == "compile"), counts
 
 
 def mixed_precision_vs_fsdp2(spec):
