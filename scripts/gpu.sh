@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 16's checks on a machine with a GPU, each stage's log (and JSON) under $OUT
+# (default gpu-results/), so one or two sessions' calls cover them all:
+#
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh lane      # the CUDA test lane (scripts/test.sh)
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh single    # issue 16's table: small and large, fp32, bf16
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh bench     # the default benchmark at world 1, with
+#                                                     # the overlap profile (collectives forced)
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh demo      # the demo on one GPU, briefly
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh all       # every stage, in that order
+#
+# $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA, optree, pytest, hypothesis).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${FUNSHARD_PY:?set FUNSHARD_PY to the python of the GPU machine}"
+OUT="${OUT:-gpu-results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+stage() {  # name, command...: the command's output to the terminal and $OUT/name.txt
+  local name="$1"
+  shift
+  echo "== $name: $*" | tee "$OUT/$name.txt"
+  set +e
+  "$@" 2>&1 | tee -a "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  set -e
+  echo "== $name: exit $rc" | tee -a "$OUT/$name.txt"
+  return "$rc"
+}
+
+INFO='import torch; c = torch.cuda
+print(torch.__version__, torch.version.cuda, c.get_device_name(0), c.device_count(), "GPUs")'
+
+run() {
+  case "$1" in
+    info) stage info "$PY" -c "$INFO" ;;
+    lane) stage lane bash scripts/test.sh --device cuda -q -p no:cacheprovider ;;
+    single) stage single "$PY" -m benchmarks.bench --device cuda --single small,large \
+              --json "$OUT/single.json" ;;
+    bench) FUNSHARD_FORCE_COLLECTIVES=1 stage bench "$PY" -m benchmarks.bench --device cuda \
+             --world 1 --profile funshard_full --json "$OUT/bench.json" ;;
+    demo) stage demo bash scripts/demo.sh --device cuda --nproc 1 --mesh 1x1 --steps 60 \
+            --no-progress --out "$OUT/demo-run" ;;
+    all) local rc=0
+         for s in info lane single bench demo; do run "$s" || rc=1; done
+         return "$rc" ;;
+    *) echo "gpu.sh: unknown stage '$1' (info, lane, single, bench, demo, all)" >&2; return 2 ;;
+  esac
+}
+
+export FUNSHARD_PY="$PY"
+run "${1:-all}"
