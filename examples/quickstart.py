@@ -75,7 +75,8 @@ def main(args):
 
     # 4. Train: each rank its share of the global batch; the step's gradient is the mean.
     while state.step < args.steps:
-        state, metrics = step(state, get_batch(state.step, rank, world, args.batch, dev))  # donates
+        batch = get_batch(state.step, rank, world, args.batch, dev)
+        state, metrics = step(state, batch)  # donates: use the returned state
         say(f"step {state.step} loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f}")
         if state.step % args.ckpt_every == 0 or state.step == args.steps:
             fs.checkpoint.save(ckpts / f"step_{state.step:06d}", state)  # every rank, atomic
