@@ -9,13 +9,19 @@
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh demo      # the demo on one GPU, briefly
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh all       # every stage, in that order
 #
-# $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA, optree, pytest, hypothesis).
+# $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA, pytest, hypothesis); optree
+# too, or its wheel in .whl/ (pip download --python-version of that interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${FUNSHARD_PY:?set FUNSHARD_PY to the python of the GPU machine}"
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# a GPU machine with no package index: optree from a carried wheel folder (.whl/), if needed
+if ! "$PY" -c 'import optree' 2>/dev/null && ls .whl/optree-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/funshard-site .whl/optree-*.whl
+  export PYTHONPATH="/tmp/funshard-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 stage() {  # name, command...: the command's output to the terminal and $OUT/name.txt
   local name="$1"
