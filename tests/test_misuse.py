@@ -387,6 +387,31 @@ def test_parameter_escaping_loss_fn_is_inert(pools):
     assert t == "RuntimeError" and "has ended" in msg and "'inp.weight'" in msg, msg
 
 
+def aux_graph_after_the_step(spec, force):
+    """loss_fn returns an aux output whose graph saved a parameter on a branch the loss does
+    not use; a backward through it after the step must raise by name (the gathered copy and
+    the run are gone), on each rank alone, and leave the state as it was. ``force``: one
+    rank with its collectives run, so its parameters are gathered copies too."""
+    with fs.comm.force_collectives(force):
+        model, step, state, batch = _setup(spec)
+
+        def loss_fn(p, b):
+            return mse_loss(model)(p, b), (p["inp.weight"] * p["inp.weight"]).sum()
+
+        keeper = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+        state, metrics = keeper(keeper.init(state.params), batch)
+        before = _locals(state)
+        t, msg = capture(lambda: metrics["aux"].backward())
+        return t, msg, _unchanged(before, state)
+
+
+@pytest.mark.parametrize("spec,force", [(2, False), (1, True)], ids=["two_ranks", "one_forced"])
+def test_aux_graph_used_after_the_step_is_refused(pools, spec, force):
+    for t, msg, same in pools.run(spec, aux_graph_after_the_step, force):
+        assert t == "RuntimeError" and "'inp.weight' of a train_step that has ended" in msg, msg
+        assert same
+
+
 def branch_per_rank(spec, raf):
     """Rank 0 runs the MLP's two identical blocks in order, rank 1 the other way round: the
     all-gathers have equal sizes and would pair block 0 on one rank with block 1 on the

@@ -112,6 +112,13 @@ class SavedParams:
         if not isinstance(packed, tuple):
             return packed
         gi, k, t, into_recompute = packed
+        if run is None:  # released (see release): a graph kept past its step, used again
+            raise RuntimeError(
+                "funshard: backward reached parameter "
+                f"{self.params.layouts[self.params.members[gi][k]].path!r} of a train_step "
+                "that has ended (a graph kept past the step: an aux output's, or a tensor "
+                "loss_fn kept): its gathered copy is gone. Compute what needs gradients inside "
+                "loss_fn, as part of the loss.")
         group = run.groups[gi]
         if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
             run.use([gi], new_op=node is None or node is not self.node)
@@ -149,5 +156,7 @@ class SavedParams:
             self.prefetch_when_done = (node, group)
 
     def release(self) -> None:
-        # autograd nodes: they reach every ctx in the graph
+        # autograd nodes: they reach every ctx in the graph; the run: it holds this object,
+        # and without the cycle it is freed when dropped, not by the garbage collector
         self.node = self.prefetch_when_done = None
+        self.params, self.run = self.run.params, None
