@@ -327,6 +327,27 @@ def test_the_cuda_lane_without_a_gpu_skips_saying_why():
     assert bad.returncode == 2 and "cpu or cuda" in bad.stderr
 
 
+def test_the_gpu_script_on_a_machine_without_one(tmp_path):
+    """``scripts/gpu.sh``, the GPU session's checks: each stage logs under $OUT with its exit
+    status, and where torch sees no GPU the lane stage fails saying so (exit 3); an unknown
+    stage or no FUNSHARD_PY is refused."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: gpu.sh runs for real there")
+    env = dict(os.environ, FUNSHARD_PY=sys.executable, OUT=str(tmp_path))
+    env.pop("FUNSHARD_LANE_NO_GPU_OK", None)
+    lane = subprocess.run(["bash", "scripts/gpu.sh", "lane"], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=ROOT)
+    log = (tmp_path / "lane.txt").read_text()
+    assert lane.returncode == 3 and "sees no CUDA GPU" in log and "== lane: exit 3" in log, log
+    bad = subprocess.run(["bash", "scripts/gpu.sh", "nope"], capture_output=True, text=True,
+                         env=env, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown stage 'nope'" in bad.stderr, bad.stderr
+    env.pop("FUNSHARD_PY")
+    none = subprocess.run(["bash", "scripts/gpu.sh", "lane"], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=ROOT)
+    assert none.returncode != 0 and "set FUNSHARD_PY" in none.stderr, none.stderr
+
+
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops that write bfloat16 values read from float32 ones (casts)."""
 
