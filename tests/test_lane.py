@@ -327,7 +327,7 @@ def test_the_cuda_lane_without_a_gpu_skips_saying_why():
     assert bad.returncode == 2 and "cpu or cuda" in bad.stderr
 
 
-def test_the_gpu_script_on_a_machine_without_one(tmp_path):
+def test_the_gpu_script_without_a_gpu_refuses(tmp_path):
     """``scripts/gpu.sh``, the GPU session's checks: each stage logs under $OUT with its exit
     status, and where torch sees no GPU the lane stage fails saying so (exit 3); an unknown
     stage or no FUNSHARD_PY is refused."""
