@@ -22,6 +22,14 @@ POLICIES = {
     "accumulate_clip": {"accumulate": 2, "clip_norm": 0.5},
     "no_prefetch_c10d": {"prefetch": False, "transport": "c10d"},
     "skip_nonfinite": {"skip_nonfinite": True},
+    "checkpoint": {"checkpoint": True},  # activation checkpointing: the recompute's gathers
+}
+OPTIMIZERS = {
+    "adamw": lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1),
+    "sgd": lambda: fs.optim.sgd(lr=0.1, momentum=0.9),
+    "fused_adamw": lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1, fused=True),
+    "muon": lambda: fs.optim.muon(lr=1e-2, other=fs.optim.adamw(lr=1e-2)),
+    "from_torch": lambda: fs.optim.from_torch(torch.optim.Adam, lr=1e-2),
 }
 
 
@@ -43,8 +51,7 @@ def step_on_meta_default(spec, policy_kwargs, optimizer):
     out = []
     for default in ("meta", None):
         model, batch = _model_and_batch(dist.get_world_size())
-        opt = (fs.optim.adamw(lr=1e-2, weight_decay=0.1) if optimizer == "adamw"
-               else fs.optim.sgd(lr=0.1, momentum=0.9))
+        opt = OPTIMIZERS[optimizer]()
         step = fs.train_step(gpt_loss(model), opt, policy=fs.Policy(**policy_kwargs))
         params = fs.params(model)
         with torch.device(default) if default else _nothing():
@@ -74,6 +81,13 @@ class _nothing:
 def test_step_makes_nothing_on_the_default_device(pools, spec, policy):
     for rank, (same, err) in enumerate(pools.run(spec, step_on_meta_default,
                                                  POLICIES[policy], "adamw")):
+        assert same and err == 0.0, (rank, same, err)
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+@pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o != "adamw"], ids=str)
+def test_optimizers_make_nothing_on_the_default_device(pools, spec, optimizer):
+    for rank, (same, err) in enumerate(pools.run(spec, step_on_meta_default, {}, optimizer)):
         assert same and err == 0.0, (rank, same, err)
 
 
