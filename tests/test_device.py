@@ -84,9 +84,25 @@ def test_step_makes_nothing_on_the_default_device(pools, spec, policy):
         assert same and err == 0.0, (rank, same, err)
 
 
+def _torch_adam_names_its_device() -> bool:
+    """Whether torch's own Adam makes its step counters on the CPU by name (2.13) rather than
+    on the default device (2.11), where a meta default fails inside torch, not funshard."""
+    p = torch.zeros(2, requires_grad=True)
+    p.grad = torch.zeros(2)
+    try:
+        with torch.device("meta"):
+            torch.optim.Adam([p], lr=0.0, foreach=False).step()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 @pytest.mark.parametrize("spec", [1, 2], ids=str)
 @pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o != "adamw"], ids=str)
 def test_optimizers_make_nothing_on_the_default_device(pools, spec, optimizer):
+    if optimizer == "from_torch" and not _torch_adam_names_its_device():
+        pytest.skip(f"torch {torch.__version__}'s own Adam makes its step counter on the "
+                    "default device: a meta default fails inside torch.optim")
     for rank, (same, err) in enumerate(pools.run(spec, step_on_meta_default, {}, optimizer)):
         assert same and err == 0.0, (rank, same, err)
 
