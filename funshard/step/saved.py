@@ -53,7 +53,8 @@ class SavedParams:
     """The saved-tensor hooks of one run (``torch.autograd.graph.saved_tensors_hooks``)."""
 
     def __init__(self, run):
-        self.run = run
+        self.run = run  # None once released (see release)
+        self.params = run.params  # names a parameter after release
         self.node = None  # the autograd node whose saved tensors are being unpacked
         self.prefetch_when_done = None  # (node, group): prefetch after group once node is done
         self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
@@ -158,5 +159,4 @@ class SavedParams:
     def release(self) -> None:
         # autograd nodes: they reach every ctx in the graph; the run: it holds this object,
         # and without the cycle it is freed when dropped, not by the garbage collector
-        self.node = self.prefetch_when_done = None
-        self.params, self.run = self.run.params, None
+        self.node = self.prefetch_when_done = self.run = None
