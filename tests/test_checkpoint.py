@@ -124,9 +124,9 @@ def test_state_dict_roundtrip_property(pools, spec, leaves, seed):
                 assert r["empty_off_rank0"]
         keys = res["full"]["keys"]
         assert keys[0] == ("params.layers.0.w" if len(leaves) > 1 else "params.head")
-        assert keys[-1] == "step"
+        assert keys[-2:] == ["step", "skipped"]
         assert all(k.startswith(("params.", "opt_state.exp_avg.", "opt_state.exp_avg_sq."))
-                   for k in keys[:-1])
+                   for k in keys[:-2])
 
 
 def gpt_kinds(spec):
@@ -241,6 +241,33 @@ def test_reshard_matrix(pools, tmp_path, src):
             assert same(ref, got) == [], f"{src} -> {dst}, rank {rank}"
 
 
+def skipped_counts(spec, path):
+    """``TrainState.skipped`` round-trips; a checkpoint written before it existed (a state
+    with no such field) loads with 0, whatever the like holds, and the rest as saved."""
+    from typing import NamedTuple
+
+    class TrainState(NamedTuple):  # the fields of a TrainState before ``skipped``
+        params: dict
+        opt_state: object
+        step: int
+        buffers: object = None
+
+    m = mesh(spec)
+    state = small_state(m)._replace(skipped=3)
+    ck.save(os.path.join(path, "new"), state)
+    ck.save(os.path.join(path, "old"), TrainState(state.params, state.opt_state, 11))
+    like = small_state(m, seed=5)._replace(step=0, skipped=7)
+    new, old = (ck.load(os.path.join(path, d), like=like) for d in ("new", "old"))
+    keys = json.load(open(os.path.join(path, "old", ck.MARKER)))["keys"]
+    return ((new.step, new.skipped), (old.step, old.skipped), "skipped" in keys,
+            same(ck.state_dict(state._replace(skipped=0), "full"), ck.state_dict(old, "full")))
+
+
+def test_skipped_count_in_checkpoints(pools, tmp_path):
+    for r in pools.run(2, skipped_counts, str(tmp_path)):
+        assert r == ((11, 3), (11, 0), False, []), r
+
+
 @pytest.mark.skipif(not os.environ.get("FUNSHARD_SLOW"), reason="8 ranks: set FUNSHARD_SLOW=1")
 def test_reshard_2x2_to_8_ranks(pools, tmp_path):
     """Written on 4 ranks (2x2), read on 8 (1-D and 2x4) and back on 1."""
@@ -294,12 +321,12 @@ def test_exact_resume(pools, tmp_path, src, dst, model):
     first, _ = pools.run(src, train, model, 2, None, path)[0]
     second, resumed = pools.run(dst, train, model, 2, path)[0]
     straight, ref = pools.run(src, train, model, 4)[0]
-    assert resumed["step"] == ref["step"] == 4
+    assert resumed["step"] == ref["step"] == 4 and resumed["skipped"] == ref["skipped"] == 0
     if src == dst:
         assert first + second == straight and same(ref, resumed) == []
         return
     assert max(abs(a - b) for a, b in zip(first + second, straight)) < 1e-6
-    err = max((ref[k] - resumed[k]).abs().max().item() for k in ref if k != "step")
+    err = max((ref[k] - resumed[k]).abs().max().item() for k in ref if k not in ("step", "skipped"))
     assert err < 1e-5, err
 
 

@@ -60,13 +60,14 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     """
     keys, likes, spec = _flat(like)
     like_sd = dict(zip(keys, likes))
+    later = _later_fields(like)
     real, err = check_path("load", path)
     err = err or check_flag("load", "verify", verify)
     where = None
     if err is None:
         real, err = _newest_in(real)
     if err is None:
-        where, err = _prepare_load(real, like_sd, _rank(), _world(), verify)
+        where, err = _prepare_load(real, like_sd, _rank(), _world(), verify, later)
     info = key_info(like_sd)
     target = {k: _empty_like(v) for k, v in like_sd.items()}
     with peers(f"load from {real or path!r}", "load", _rank()):
@@ -75,6 +76,9 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
         _read(target, where, real)
     values = []
     for k, v in zip(keys, likes):
+        if k not in target:  # a field the checkpoint predates: what it meant there
+            values.append(later[k])
+            continue
         t = target[k]
         if isinstance(v, torch.Tensor):
             local = t._local_tensor if isinstance(t, DTensor) else t
@@ -115,8 +119,17 @@ def _newest_in(path: str) -> tuple[str | None, tuple | None]:
     return os.path.realpath(found), None
 
 
-def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool):
-    """Resolve, read the marker, check keys and files; -> (dir, None) or (None, (type, msg))."""
+def _later_fields(like: Tree) -> dict[str, Any]:
+    """Keys of ``like`` that checkpoints written before they existed lack, and their value
+    there: a TrainState's ``skipped`` (0: those counted every step in the optimizer's)."""
+    fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
+    return {"skipped": 0} if "params" in fields and "skipped" in fields else {}
+
+
+def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
+                  later: dict | None = None):
+    """Resolve, read the marker, check keys and files; -> (dir, None) or (None, (type, msg)).
+    A key of ``later`` the checkpoint lacks is dropped from ``like_sd`` (see _later_fields)."""
     where = _resolve(path)
     if where is None:
         return None, ("CheckpointError", f"load: no checkpoint at {path!r}; "
@@ -127,7 +140,11 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool)
                       f"incomplete or corrupted checkpoint at {path!r}: no valid {MARKER} "
                       "marker (the save did not finish); load an earlier checkpoint "
                       "(fs.checkpoint.latest(dir) skips incomplete ones)")
-    problems = _key_problems(marker.get("keys", {}), like_sd)
+    saved = marker.get("keys", {})
+    for k in later or {}:
+        if k not in saved:
+            like_sd.pop(k, None)
+    problems = _key_problems(saved, like_sd)
     if problems:
         text = "\n  ".join(_shorten(problems))
         return None, ("ValueError", f"load: the checkpoint at {path!r} does not match like "

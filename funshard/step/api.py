@@ -73,8 +73,9 @@ class Policy:
             whose gradient is not finite, leaving the state unchanged. True is sugar for
             ``fs.optim.apply_if_finite()`` first in front of the optimizer (a non-finite loss
             counts too); ``metrics["skipped"]`` says whether it dropped the update. A
-            skipped step still counts in ``state.step``, which the optimizer's schedules and
-            Adam's bias correction read (torch's GradScaler leaves Adam's own count alone).
+            skipped step counts in ``state.step`` and in ``state.skipped``, not in the
+            optimizer's count (``step - skipped``: Adam's bias correction, the schedules),
+            as when torch's GradScaler skips ``optimizer.step()``.
         transport: how buckets move: ``"auto"`` (on gloo CPU groups, ranks of one host read
             each other's memory, else a direct point-to-point exchange; the backend's
             collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm`).
@@ -130,13 +131,21 @@ class Policy:
 
 
 class TrainState(NamedTuple):
-    """Sharded parameters, optimizer state, the number of steps taken, and the buffers
-    (replicated; None when the model has none given)."""
+    """Sharded parameters, optimizer state, the number of steps taken, the buffers
+    (replicated; None when the model has none given), and how many of the steps were skipped
+    (their update dropped: a non-finite gradient under ``Policy(skip_nonfinite=True)``).
+
+    The optimizer counts the updates it applied, ``step - skipped``: Adam's bias
+    correction, SGD's first momentum step and the schedules read that count, as torch's
+    optimizers do when a GradScaler skips their ``step()`` (and as optax's counts do under
+    ``apply_if_finite``). A checkpoint written before ``skipped`` existed loads with 0.
+    """
 
     params: Tree
     opt_state: Tree
     step: int
     buffers: Tree = None
+    skipped: int = 0
 
 
 class TrainStep(NamedTuple):
@@ -241,6 +250,13 @@ def _check_differentiable(loss: torch.Tensor) -> None:
         )
 
 
+def _check_counts(state: TrainState) -> None:
+    n, s = state.step, state.skipped
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (n, s)) or not 0 <= s <= n:
+        raise ValueError(f"train_step: TrainState has step={n!r}, skipped={s!r}; they count "
+                         "steps taken and skipped: ints with 0 <= skipped <= step.")
+
+
 def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
     """Compose ``loss_fn`` and ``optimizer`` into one sharded training step.
 
@@ -294,6 +310,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                                "gradient can be computed; call it outside.")
         params, leaves = groups_for(state.params)
         donations.check(state, leaves)
+        _check_counts(state)
         direct = direct_.usable(params)  # see [Note: the direct path]
         shards = (params.leaves.of(params, leaves) if direct else
                   [d._local_tensor.detach().requires_grad_(t)

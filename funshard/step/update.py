@@ -101,11 +101,12 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     # the transforms take the norm and the finite check the metrics' all-reduce measured
     # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
     with optim_clip.measured(grad_tree, norm, finite) as seen:
+        # the optimizer counts the updates it applied (see TrainState)
         new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
-                                                 step=state.step)
+                                                 step=state.step - state.skipped)
     metrics["skipped"] = int(seen.dropped)
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
-                          buffers=None), metrics
+                          skipped=state.skipped + int(seen.dropped), buffers=None), metrics
 
 
 def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
