@@ -15,12 +15,14 @@ from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import EvalStep, Policy, call, TrainState, TrainStep, eval_step, list_groups, train_step
+from .step import (EvalStep, LossScale, Policy, call, TrainState, TrainStep, eval_step,
+                   list_groups, train_step)
 
 __all__ = [
     "__version__",
     "CollectiveTimeout",
     "EvalStep",
+    "LossScale",
     "PeerLost",
     "Policy",
     "RankFailed",

@@ -22,6 +22,8 @@ POLICIES = {
     "accumulate_clip": {"accumulate": 2, "clip_norm": 0.5},
     "no_prefetch_c10d": {"prefetch": False, "transport": "c10d"},
     "skip_nonfinite": {"skip_nonfinite": True},
+    "float16_scaled": {"param_dtype": torch.float16, "reduce_dtype": torch.float32,
+                       "loss_scale": "dynamic"},
     "checkpoint": {"checkpoint": True},  # activation checkpointing: the recompute's gathers
 }
 OPTIMIZERS = {

@@ -28,6 +28,7 @@ from .checks import agree, check_flag, check_path, digest, key_info
 from .dirs import latest
 from .errors import CheckpointError, _cause, _describe, _is_comm_failure, peers
 
+_SCALE = "loss_scale."  # a TrainState's loss scale (see _later_fields)
 SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
 
 
@@ -60,7 +61,7 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     """
     keys, likes, spec = _flat(like)
     like_sd = dict(zip(keys, likes))
-    later = _later_fields(like)
+    later = _later_fields(like, like_sd)
     real, err = check_path("load", path)
     err = err or check_flag("load", "verify", verify)
     where = None
@@ -119,11 +120,15 @@ def _newest_in(path: str) -> tuple[str | None, tuple | None]:
     return os.path.realpath(found), None
 
 
-def _later_fields(like: Tree) -> dict[str, Any]:
-    """Keys of ``like`` that checkpoints written before they existed lack, and their value
-    there: a TrainState's ``skipped`` (0: those counted every step in the optimizer's)."""
+def _later_fields(like: Tree, like_sd: dict) -> dict[str, Any]:
+    """A TrainState's keys that a checkpoint may lack, and their value then: ``skipped``
+    (0: checkpoints written before it existed counted every step in the optimizer's), and
+    ``loss_scale`` (like's: a run saved without loss scaling resumed with it starts where
+    the Policy starts)."""
     fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
-    return {"skipped": 0} if "params" in fields and "skipped" in fields else {}
+    if "params" not in fields or "skipped" not in fields:
+        return {}
+    return {"skipped": 0, **{k: v for k, v in like_sd.items() if k.startswith(_SCALE)}}
 
 
 def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
@@ -144,6 +149,8 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
     for k in later or {}:
         if k not in saved:
             like_sd.pop(k, None)
+    if later:  # a TrainState without loss scaling resumes a run saved with it: not read
+        saved = {k: v for k, v in saved.items() if k in like_sd or not k.startswith(_SCALE)}
     problems = _key_problems(saved, like_sd)
     if problems:
         text = "\n  ".join(_shorten(problems))

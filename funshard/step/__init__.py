@@ -10,7 +10,8 @@
   :mod:`.install`: what fs.call puts in a module, from a plan cached per module;
   :mod:`.recompute`: activation checkpointing inside loss_fn; :mod:`.donation`: a used-up
   state raises;
-- :mod:`.buffers`: buffers in the state and their cross-rank rules;
+- :mod:`.buffers`: buffers in the state and their cross-rank rules; :mod:`.scaling`: loss
+  scaling for float16 (LossScale);
 - :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver.
 """
 
@@ -20,6 +21,7 @@ from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
 from .params import ParamGroups
 from .run import Run
+from .scaling import LossScale
 from .schedule import (GroupInfo, Schedule, block_groups, default_group, group_names,
                        kept_into_backward, list_groups, make_schedule, partition, split_kept)
 
@@ -30,6 +32,7 @@ __all__ = [
     "GroupInfo",
     "GroupState",
     "IllegalTransition",
+    "LossScale",
     "ParamGroups",
     "Policy",
     "Run",

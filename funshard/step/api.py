@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm, pytree
 from ..layout import check_float_dtype
 from ..optim import clip as optim_clip
-from . import agree, call, lazy, recompute, update
+from . import agree, call, lazy, recompute, scaling, update
 from . import buffers as buffers_
 from . import direct as direct_
 from .donation import Donations
@@ -88,6 +89,12 @@ class Policy:
         buffers: how the ranks' buffers (``TrainState.buffers``) agree after each step:
             ``"mean"`` over ranks (others: rank 0's), ``"broadcast"`` rank 0's, or ``"own"``
             (each rank its own); see :mod:`funshard.step.buffers`.
+        loss_scale: ``"dynamic"`` scales the loss as torch's GradScaler does (for float16
+            compute, whose small gradients otherwise round to zero): from 2^16, halved on
+            an overflow (that step skipped), doubled after 2000 finite steps; a number is a
+            static scale; None (default) none. The step unscales the reduced gradients
+            before the metrics, clipping and optimizer ([Note: loss scaling] in
+            :mod:`funshard.step.scaling`); ``TrainState.loss_scale`` holds the scale.
     """
 
     reshard_after_forward: bool = True
@@ -101,6 +108,7 @@ class Policy:
     transport: str = "auto"
     buffers: str = "mean"
     checkpoint: Any = False
+    loss_scale: Any = None
 
     def __post_init__(self):
         for name in ("reshard_after_forward", "prefetch", "skip_nonfinite"):
@@ -125,6 +133,7 @@ class Policy:
         if not isinstance(self.checkpoint, bool) and not callable(self.checkpoint):
             raise TypeError(f"Policy: checkpoint={self.checkpoint!r} must be True, False or a "
                             "predicate on group names")
+        scaling.check(self.loss_scale)
         if self.buffers not in buffers_.RULES:
             raise ValueError(f"Policy: buffers={self.buffers!r} must be one of "
                              f"{', '.join(map(repr, buffers_.RULES))}")
@@ -139,6 +148,8 @@ class TrainState(NamedTuple):
     correction, SGD's first momentum step and the schedules read that count, as torch's
     optimizers do when a GradScaler skips their ``step()`` (and as optax's counts do under
     ``apply_if_finite``). A checkpoint written before ``skipped`` existed loads with 0.
+    ``loss_scale``: a :class:`~funshard.step.scaling.LossScale` under
+    ``Policy(loss_scale=)``, else None.
     """
 
     params: Tree
@@ -146,6 +157,7 @@ class TrainState(NamedTuple):
     step: int
     buffers: Tree = None
     skipped: int = 0
+    loss_scale: Any = None
 
 
 class TrainStep(NamedTuple):
@@ -192,9 +204,10 @@ def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
-                   batch: Any, bufs: Any, direct: bool) -> update.Grads:
+                   batch: Any, bufs: Any, direct: bool, scale=None) -> update.Grads:
     """Forward and backward of every micro-batch; the reduced gradients of the last.
-    ``direct``: ``shards`` are the leaves ``loss_fn`` gets (see [Note: the direct path])."""
+    ``direct``: ``shards`` are the leaves ``loss_fn`` gets (see [Note: the direct path]);
+    ``scale``: the state's :class:`~.scaling.LossScale` (None: none)."""
     micro = _split_batch(batch, policy.accumulate)
     k = len(micro)
     buckets: dict = {}  # gradients summed over micro-batches, per group
@@ -221,7 +234,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             call.check_recomputable(run)
             run.end_forward()
             with torch.enable_grad():
-                recompute.backward(run, loss / k)
+                recompute.backward(run, scaling.scaled(loss, k, scale))
             if direct:
                 params.leaves.check_unwritten(params)
         finally:
@@ -276,8 +289,13 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
     donations = Donations()
     # the Policy's clipping and non-finite skip are the fs.optim transforms, in front
-    optimizer = optim_clip.with_policy(optimizer, clip_norm=policy.clip_norm,
-                                       skip_nonfinite=policy.skip_nonfinite)
+    optimizer = optim_clip.with_policy(
+        optimizer, clip_norm=policy.clip_norm,
+        skip_nonfinite=policy.skip_nonfinite or scaling.dynamic(policy))  # overflows skip
+    if policy.param_dtype == torch.float16 and policy.loss_scale is None:
+        warnings.warn("train_step: Policy(param_dtype=torch.float16) without loss_scale: "
+                      "gradients below 6e-8 round to zero in float16, silently; pass "
+                      "loss_scale='dynamic' (torch's GradScaler's rule)", stacklevel=2)
 
     def groups_for(params: Tree) -> tuple[ParamGroups, list]:
         leaves, spec = pytree.flatten(params)
@@ -296,8 +314,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                         where="train_step.init",
                         buffers=[(pytree.fqn(p), b._local_tensor)
                                  for p, b in zip(bpaths, bleaves)])
-            return donations.remember(TrainState(params, optimizer.init(params), 0, buffers),
-                                      leaves)
+            return donations.remember(TrainState(params, optimizer.init(params), 0, buffers,
+                                                 0, scaling.initial(policy)), leaves)
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (comm.failures)
@@ -317,7 +335,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                    for d, t in zip(leaves, params.trainable)])
         bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
                                else ([], [], None))
-        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct)
+        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
+                             state.loss_scale)
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
         if bufs is not None:
             if not metrics["skipped"]:  # a skipped step keeps the buffers too

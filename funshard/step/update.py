@@ -19,7 +19,7 @@ from .. import comm, pytree
 from ..mesh import mesh_str
 from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
-from . import agree
+from . import agree, scaling
 from .params import ParamGroups
 
 
@@ -86,10 +86,16 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     """Metrics, the non-finite rule, and the optimizer (with the Policy's apply_if_finite and
     clip_by_global_norm in front) on the local shards."""
     check_trained(params, out.grads)
+    ls = state.loss_scale  # the gradients' scale: divided out first ([Note: loss scaling])
+    out = out._replace(grads=scaling.unscale(out.grads, [lay.dtype for lay in params.layouts],
+                                             ls))
     metrics, present = metrics_of(params, out, policy.accumulate)
     grads, norm = out.grads, metrics["grad_norm"]
     finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
-    if not finite and not policy.skip_nonfinite:
+    if ls is not None:
+        metrics["loss_scale"] = ls.scale
+    overflow = scaling.overflowed(policy, ls, math.isfinite(norm), math.isfinite(metrics["loss"]))
+    if not finite and not policy.skip_nonfinite and not overflow:
         if not math.isfinite(norm):
             _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
         raise FloatingPointError(
@@ -106,7 +112,8 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
                                                  step=state.step - state.skipped)
     metrics["skipped"] = int(seen.dropped)
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
-                          skipped=state.skipped + int(seen.dropped), buffers=None), metrics
+                          skipped=state.skipped + int(seen.dropped), buffers=None,
+                          loss_scale=scaling.after(policy, ls, math.isfinite(norm))), metrics
 
 
 def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,

@@ -1,0 +1,100 @@
+"""Loss scaling for float16 compute: ``Policy(loss_scale="dynamic")``, torch's GradScaler.
+
+[Note: loss scaling] float16 holds nothing below 6e-8 (2^-24): a gradient smaller than that
+rounds to zero, silently, and the step trains on zeros. The loss is multiplied by a scale
+before backward, so the gradients float16 carries are that much larger; after the
+reduction (float32 with ``reduce_dtype``) they are converted to the master weights' dtype
+and divided by it again, before the metrics, the clipping and the optimizer see them, which
+therefore see the true gradients. As ``torch.amp.GradScaler`` does, with its defaults:
+
+- the scale starts at 2^16; the loss is scaled as GradScaler's ``scale(loss)`` scales it
+  (times a float32 scalar tensor, so a float16 loss is promoted, not overflowed);
+- a step whose gradients are not finite (an overflow) is skipped on every rank (they agree:
+  the norm is all-reduced), the scale halves and ``metrics["skipped"]`` is 1; the skipped
+  step is not in the optimizer's count (``TrainState.skipped``);
+- after 2000 finite steps in a row the scale doubles.
+
+Where GradScaler would halve forever, the step refuses by name: a non-finite gradient with
+the scale at 1 or below is no overflow the scale can cure (a NaN from the model, an
+infinite true gradient), and raises as without scaling (or is skipped, with
+``skip_nonfinite=True``). A non-finite *loss* is never an overflow: the loss is measured
+before it is scaled. ``loss_scale=<number>`` is a static scale: the same conversion, no
+change of scale, and a non-finite gradient follows the non-finite rule. The scale and its
+count are ``TrainState.loss_scale``, which checkpoints carry.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+INIT, GROWTH, BACKOFF, INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000  # torch.amp.GradScaler's defaults
+
+
+class LossScale(NamedTuple):
+    """The loss scale and the finite steps since it last changed (``TrainState.loss_scale``)."""
+
+    scale: float
+    good_steps: int = 0
+
+
+def check(value, where: str = "Policy") -> None:
+    """``None``, ``"dynamic"`` or a finite number > 0."""
+    if value is None or value == "dynamic":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < math.inf):
+        raise ValueError(f"{where}: loss_scale={value!r} must be None, 'dynamic' or a number "
+                         "> 0 (a static scale)")
+
+
+def dynamic(policy) -> bool:
+    return policy.loss_scale == "dynamic"
+
+
+def initial(policy) -> LossScale | None:
+    """A new state's loss scale under ``policy`` (None: no scaling)."""
+    if policy.loss_scale is None:
+        return None
+    return LossScale(INIT if dynamic(policy) else float(policy.loss_scale), 0)
+
+
+def scaled(loss: torch.Tensor, k: int, ls: LossScale | None) -> torch.Tensor:
+    """What backward starts from: the micro-batch's share of the loss, times the scale as
+    GradScaler multiplies it (a float32 scalar: a float16 loss is promoted)."""
+    if ls is None:
+        return loss / k
+    return loss / k * torch.full((), ls.scale, dtype=torch.float32, device=loss.device)
+
+
+def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale | None) -> list:
+    """The reduced gradients in their masters' ``dtypes``, divided by the scale (in place
+    where already so; a power of two divides exactly)."""
+    if ls is None:
+        return grads
+    out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
+    present = [g for g in out if g is not None]
+    if present and ls.scale != 1.0:
+        with torch.no_grad():
+            for dt in {g.dtype for g in present}:  # as GradScaler: times the reciprocal
+                torch._foreach_mul_([g for g in present if g.dtype == dt], 1.0 / ls.scale)
+    return out
+
+
+def overflowed(policy, ls: LossScale | None, grads_finite: bool, loss_finite: bool) -> bool:
+    """A non-finite gradient the dynamic scale cures: the step is skipped, not refused."""
+    return (dynamic(policy) and ls is not None and not grads_finite and loss_finite
+            and ls.scale > 1.0)
+
+
+def after(policy, ls: LossScale | None, grads_finite: bool) -> LossScale | None:
+    """The scale for the next step (GradScaler's ``update()``)."""
+    if ls is None or not dynamic(policy):
+        return ls
+    if not grads_finite:
+        return LossScale(max(ls.scale * BACKOFF, 1.0), 0)
+    if ls.good_steps + 1 >= INTERVAL:
+        return LossScale(ls.scale * GROWTH, 0)
+    return LossScale(ls.scale, ls.good_steps + 1)
