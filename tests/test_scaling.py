@@ -191,3 +191,34 @@ def test_loss_scale_in_checkpoints(pools, tmp_path):
             assert a == (LossScale(512.0, 7), 9, 2), a
             assert b == (LossScale(2.0 ** 16, 0), 3), b
             assert c == (None, 9), c
+
+
+def state_misuse(spec):
+    m = mesh(spec)
+    model = _gpt()
+    sp = fs.shard(fs.params(model), m)
+    scaled = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2),
+                           policy=fs.Policy(loss_scale="dynamic", **FP16))
+    plain = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2))
+    b = _batches(1, 2, 1)[0]
+    out = []
+    for step, state in ((scaled, plain.init(sp)), (plain, scaled.init(sp)),
+                        (scaled, scaled.init(sp)._replace(loss_scale=LossScale(0.0))),
+                        (scaled, scaled.init(sp)._replace(loss_scale=LossScale(2.0, -1)))):
+        try:
+            step(state, b)
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_state_whose_loss_scale_does_not_fit_is_refused(pools):
+    """A scaling policy given a state without a scale (it would train unscaled, silently),
+    a state with one under a policy without, and invalid scales: refused, naming it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in pools.run(1, state_misuse):
+            assert "needs the TrainState's loss_scale" in r[0], r[0]
+            assert "but the Policy has no loss_scale" in r[1], r[1]
+            assert all("LossScale(scale=0.0" in x or "good_steps=-1" in x for x in r[2:]), r

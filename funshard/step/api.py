@@ -329,6 +329,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         params, leaves = groups_for(state.params)
         donations.check(state, leaves)
         _check_counts(state)
+        scaling.check_state(policy, state.loss_scale)
         direct = direct_.usable(params)  # see [Note: the direct path]
         shards = (params.leaves.of(params, leaves) if direct else
                   [d._local_tensor.detach().requires_grad_(t)

@@ -50,6 +50,22 @@ def check(value, where: str = "Policy") -> None:
                          "> 0 (a static scale)")
 
 
+def check_state(policy, ls) -> None:
+    """The state's loss scale fits the policy: one where it scales, a valid one, else None."""
+    if policy.loss_scale is None:
+        if ls is not None:
+            raise ValueError(f"train_step: the TrainState has loss_scale={ls!r} but the Policy "
+                             "has no loss_scale; make the state with this step's init, or "
+                             "state._replace(loss_scale=None)")
+        return
+    if not isinstance(ls, LossScale) or isinstance(ls.good_steps, bool) or not (
+            isinstance(ls.scale, float) and 0 < ls.scale < math.inf
+            and isinstance(ls.good_steps, int) and ls.good_steps >= 0):
+        raise ValueError(f"train_step: Policy(loss_scale={policy.loss_scale!r}) needs the "
+                         f"TrainState's loss_scale to be an fs.LossScale(scale > 0, "
+                         f"good_steps >= 0), got {ls!r}; make the state with this step's init")
+
+
 def dynamic(policy) -> bool:
     return policy.loss_scale == "dynamic"
 
