@@ -222,3 +222,55 @@ def test_a_state_whose_loss_scale_does_not_fit_is_refused(pools):
             assert "needs the TrainState's loss_scale" in r[0], r[0]
             assert "but the Policy has no loss_scale" in r[1], r[1]
             assert all("LossScale(scale=0.0" in x or "good_steps=-1" in x for x in r[2:]), r
+
+
+def fsdp2_fp16(spec):
+    """FSDP2 (fully_shard per block, MixedPrecisionPolicy float16 / float32) with its
+    ShardedGradScaler, against Policy(float16, float32, loss_scale='dynamic')."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    m = mesh(spec)
+    rank = dist.get_rank()
+    model = _gpt()
+    theirs = copy.deepcopy(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in theirs.layers:
+        fully_shard(block, mesh=m, mp_policy=mp)
+    fully_shard(theirs, mesh=m, mp_policy=mp)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
+    scaler = ShardedGradScaler(device="cpu")
+    inner = gpt_loss(model)
+    step = fs.train_step(lambda p, b: inner(p, b) * 16, fs.optim.adamw(lr=1e-2),
+                         policy=fs.Policy(loss_scale="dynamic", **FP16))
+    state = step.init(fs.shard(fs.params(model), m))
+    ours, fsdp = [], []
+    for b in _batches(dist.get_world_size(), 2, 8):
+        local = tuple(x[rank * 2:(rank + 1) * 2] for x in b)
+        state, mt = step(state, local)
+        ours.append((mt["skipped"], mt["loss_scale"], round(mt["loss"], 4)))
+        used = scaler.get_scale()
+        loss = torch.nn.functional.cross_entropy(theirs(local[0]).flatten(0, 1).float(),
+                                                 local[1].flatten()) * 16
+        topt.zero_grad()
+        scaler.scale(loss).backward()
+        before = [p.to_local().clone() for p in theirs.parameters()]
+        scaler.step(topt)
+        scaler.update()
+        moved = any(not torch.equal(a, p.to_local()) for a, p in zip(before, theirs.parameters()))
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        fsdp.append((int(not moved), used, round(t.item() / dist.get_world_size(), 4)))
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.full_tensor()).abs().max().item() for n, p in theirs.named_parameters())
+    return ours, fsdp, err
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_dynamic_loss_scale_matches_fsdp2_sharded_grad_scaler(pools, spec):
+    """The same overflowing steps skipped at the same scales, the same losses, and
+    parameters within float16 round-off of FSDP2 + ShardedGradScaler."""
+    for ours, theirs, err in pools.run(spec, fsdp2_fp16):
+        assert ours == theirs, (ours, theirs)
+        assert 1 <= sum(s for s, _, _ in ours) <= 6, ours  # some skipped, some applied
+        assert err < 1e-5, err
