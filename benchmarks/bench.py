@@ -115,9 +115,11 @@ def parse(argv=None):
     ap.add_argument("--fused", action="store_true",
                     help="AdamW as one fused kernel in every mode (torch.optim.AdamW(fused=True), "
                          "fs.optim.adamw(fused=True)) instead of foreach")
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                     help="bf16: compute in bfloat16, reduce and keep master weights in float32 "
-                         "(funshard's Policy, FSDP2's MixedPrecisionPolicy, autocast elsewhere)")
+                         "(funshard's Policy, FSDP2's MixedPrecisionPolicy, autocast elsewhere);"
+                         " fp16: the same in float16, each mode with dynamic loss scaling "
+                         "(Policy(loss_scale='dynamic'), ShardedGradScaler, GradScaler)")
     ap.add_argument("--single", default="", metavar="small,large",
                     help="issue 16's table: world 1 on --device, the plain step, FSDP2 and "
                          "funshard on these GPT shapes in float32 and bfloat16")

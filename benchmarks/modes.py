@@ -83,9 +83,12 @@ def mixed(cfg: Config) -> dict:
     """The mixed-precision policy's dtypes (``param_dtype``, ``reduce_dtype``), or {}."""
     if cfg.precision == "fp32":
         return {}
-    if cfg.precision == "bf16":
-        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-    raise ValueError(f"bench: precision {cfg.precision!r}: use fp32 or bf16")
+    if cfg.precision in LOW:
+        return {"param_dtype": LOW[cfg.precision], "reduce_dtype": torch.float32}
+    raise ValueError(f"bench: precision {cfg.precision!r}: use fp32, bf16 or fp16")
+
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: every mode scales its loss
 
 
 def default_modes(world: int) -> tuple[str, ...]:
@@ -139,6 +142,7 @@ class Runner(NamedTuple):
 
 def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> Runner:
     """One mode's training step over a private copy of ``base``."""
+    scaled = cfg.precision == "fp16"  # each mode with its own GradScaler's rule
     if name.startswith("funshard"):
         raf = not name.endswith("grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
@@ -153,7 +157,8 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         step = train_step(loss_fn, opt,
                           policy=Policy(reshard_after_forward=raf,
                                         prefetch=not name.endswith("noprefetch"),
-                                        checkpoint=name.endswith("_ac"), **mixed(cfg)))
+                                        checkpoint=name.endswith("_ac"), **mixed(cfg),
+                                        loss_scale="dynamic" if scaled else None))
         box, info = [step.init(params)], {}
 
         def run(batch):
@@ -192,12 +197,23 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
 
     autocast = name in ("floor", "ddp") and bool(mixed(cfg))  # FSDP2 casts by its policy
     dev_type = device_of(cfg).type
+    low = LOW.get(cfg.precision, torch.bfloat16)
+    scaler = None
+    if scaled:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = (ShardedGradScaler(device=dev_type) if name.startswith("fsdp2")
+                  else torch.amp.GradScaler(dev_type))
 
     def run(batch):
-        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(dev_type, dtype=low, enabled=autocast):
             loss = shapes.plain_loss(cfg, model, batch)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=name != "ddp")  # DDP's grads are views of its buckets
 
     def evaluate(batch):

@@ -41,7 +41,7 @@ def single_configs(base: Config, names: str) -> list[tuple[str, Config]]:
     for name in names.split(","):
         if name not in SINGLE:
             raise SystemExit(f"bench: --single takes {', '.join(SINGLE)}, got {name!r}")
-        for precision in ("fp32", "bf16") if base.precision == "fp32" else ("bf16",):
+        for precision in ("fp32", "bf16") if base.precision == "fp32" else (base.precision,):
             cfg = dataclasses.replace(base, world=1, modes=MODES, precision=precision,
                                       **SINGLE[name])
             out.append((f"{name} {precision}", cfg))

@@ -227,7 +227,7 @@ def test_bench_single_table(pools):
     from benchmarks.single import MODES, single_table
 
     outs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):  # fp16: each with its loss scaler
         timing, memory = pools.run(1, pipeline, MODES, world=1, precision=precision)[0]
         cfg = Config(**{**TINY, "world": 1, "precision": precision}, modes=MODES)
         outs[f"small {precision}"] = summarize(cfg, timing, memory, overhead=None)
@@ -235,15 +235,17 @@ def test_bench_single_table(pools):
     # float32 on a world of one gathers nothing; bfloat16 casts each group once
     assert ours["small fp32"]["unsharded_bytes_peak"] == 0
     assert ours["small bf16"]["unsharded_bytes_peak"] > 0
+    assert ours["small fp16"]["unsharded_bytes_peak"] > 0
     text = single_table(outs)
     rows = {line.split("|")[1].strip(): line for line in text.splitlines()
             if line.startswith("| small")}
-    assert set(rows) >= {"small fp32", "small bf16"}, text
+    assert set(rows) >= {"small fp32", "small bf16", "small fp16"}, text
     targets = {line.split("|")[1].strip(): line.split("|")[4].strip()
                for line in text.splitlines() if line.startswith("| small") and ":" in line}
     assert set(targets) == {"small fp32: funshard / plain",
                             "small fp32: peak memory funshard / FSDP2",
-                            "small bf16: peak memory funshard / FSDP2"}, text
+                            "small bf16: peak memory funshard / FSDP2",
+                            "small fp16: peak memory funshard / FSDP2"}, text
     # at most FSDP2's peak; on a model this small (about 1 MiB) a few KiB that live on
     # either side between steps (the step's constant tensors, FSDP2's own) tip the ratio,
     # so the check here allows 64 KiB; the table's target is the plain ratio
