@@ -87,8 +87,9 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     clip_by_global_norm in front) on the local shards."""
     check_trained(params, out.grads)
     ls = state.loss_scale  # the gradients' scale: divided out first ([Note: loss scaling])
-    out = out._replace(grads=scaling.unscale(out.grads, [lay.dtype for lay in params.layouts],
-                                             ls))
+    if ls is not None:
+        out = out._replace(grads=scaling.unscale(out.grads,
+                                                 [lay.dtype for lay in params.layouts], ls))
     metrics, present = metrics_of(params, out, policy.accumulate)
     grads, norm = out.grads, metrics["grad_norm"]
     finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
