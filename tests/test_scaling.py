@@ -202,6 +202,7 @@ def state_misuse(spec):
     plain = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2))
     b = _batches(1, 2, 1)[0]
     out = []
+    ok = scaled(scaled.init(sp)._replace(loss_scale=LossScale(4)), b)[0].loss_scale  # an int
     for step, state in ((scaled, plain.init(sp)), (plain, scaled.init(sp)),
                         (scaled, scaled.init(sp)._replace(loss_scale=LossScale(0.0))),
                         (scaled, scaled.init(sp)._replace(loss_scale=LossScale(2.0, -1)))):
@@ -210,7 +211,7 @@ def state_misuse(spec):
             out.append("ran")
         except ValueError as e:
             out.append(str(e))
-    return out
+    return out + [ok]
 
 
 def test_a_state_whose_loss_scale_does_not_fit_is_refused(pools):
@@ -221,7 +222,8 @@ def test_a_state_whose_loss_scale_does_not_fit_is_refused(pools):
         for r in pools.run(1, state_misuse):
             assert "needs the TrainState's loss_scale" in r[0], r[0]
             assert "but the Policy has no loss_scale" in r[1], r[1]
-            assert all("LossScale(scale=0.0" in x or "good_steps=-1" in x for x in r[2:]), r
+            assert all("LossScale(scale=0.0" in x or "good_steps=-1" in x for x in r[2:4]), r
+            assert r[4] == LossScale(4.0, 1), r  # an int scale is a scale
 
 
 def fsdp2_fp16(spec):

@@ -59,7 +59,8 @@ def check_state(policy, ls) -> None:
                              "state._replace(loss_scale=None)")
         return
     if not isinstance(ls, LossScale) or isinstance(ls.good_steps, bool) or not (
-            isinstance(ls.scale, float) and 0 < ls.scale < math.inf
+            isinstance(ls.scale, (int, float)) and not isinstance(ls.scale, bool)
+            and 0 < ls.scale < math.inf
             and isinstance(ls.good_steps, int) and ls.good_steps >= 0):
         raise ValueError(f"train_step: Policy(loss_scale={policy.loss_scale!r}) needs the "
                          f"TrainState's loss_scale to be an fs.LossScale(scale > 0, "
