@@ -221,6 +221,56 @@ def test_mixed_precision_within_tolerance(pools):
         assert fp32 != bf16  # bf16 really ran
 
 
+def float_inputs(spec):
+    """An MLP fed float32 inputs under Policy(param_dtype=bfloat16): fs.call casts them, as
+    FSDP2's MixedPrecisionPolicy (cast_forward_inputs=True) does; the same losses and
+    parameters as FSDP2 per layer and root. cast_inputs=False leaves them float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, loss_fn, kind = build("mlp")
+    theirs = copy.deepcopy(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in theirs.layers:
+        fully_shard(layer, mesh=m, mp_policy=mp)
+    fully_shard(theirs, mesh=m, mp_policy=mp)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    step = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2), policy=fs.Policy(**bf16))
+    state = step.init(fs.shard(fs.params(model), m))
+    ours, fsdp = [], []
+    for b in batches(kind, world, 2, 3):
+        local = tuple(x[rank * 2:(rank + 1) * 2] for x in b)
+        state, metrics = step(state, local)
+        ours.append(metrics["loss"])
+        loss = F.mse_loss(theirs(local[0]).float(), local[1])
+        topt.zero_grad()
+        loss.backward()
+        topt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        fsdp.append(t.item() / world)
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.full_tensor()).abs().max().item() for n, p in theirs.named_parameters())
+    x = batches(kind, world, 2, 1)[0][0]
+    out = fs.eval_step(lambda p, x: fs.call(model, p, x), policy=fs.Policy(**bf16))(
+        state.params, x)
+    off = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2),
+                        policy=fs.Policy(cast_inputs=False, **bf16))
+    refused = capture(lambda: off(off.init(fs.shard(fs.params(model), m)), local))
+    return ours, fsdp, err, out.dtype, refused
+
+
+def test_float_inputs_are_cast_as_fsdp2_casts_them(pools):
+    for ours, theirs, err, eval_dtype, (kind, msg) in pools.run(2, float_inputs):
+        assert all(abs(a - b) < 1e-6 * max(1, abs(b)) for a, b in zip(ours, theirs)), (ours,
+                                                                                        theirs)
+        assert err < 1e-6, err
+        assert eval_dtype == torch.bfloat16  # eval_step's fs.call casts too
+        assert kind == "RuntimeError" and "dtype" in msg, (kind, msg)  # cast_inputs=False
+
+
 def fsdp2_parity(spec, raf):
     """The same GPT trained with FSDP2 fully_shard per block gives the same losses."""
     from torch.distributed.fsdp import fully_shard

@@ -89,6 +89,11 @@ class Policy:
         buffers: how the ranks' buffers (``TrainState.buffers``) agree after each step:
             ``"mean"`` over ranks (others: rank 0's), ``"broadcast"`` rank 0's, or ``"own"``
             (each rank its own); see :mod:`funshard.step.buffers`.
+        cast_inputs: with ``param_dtype``, :func:`funshard.call` casts the floating-point
+            tensors among the module's inputs (args and kwargs, nested) to it, as FSDP2's
+            ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts a module's inputs (float
+            inputs into bfloat16 weights would fail otherwise). Integer inputs and
+            ``torch.func.functional_call`` are untouched.
         loss_scale: ``"dynamic"`` scales the loss as torch's GradScaler does (for float16
             compute, whose small gradients otherwise round to zero): from 2^16, halved on
             an overflow (that step skipped), doubled after 2000 finite steps; a number is a
@@ -109,9 +114,10 @@ class Policy:
     buffers: str = "mean"
     checkpoint: Any = False
     loss_scale: Any = None
+    cast_inputs: bool = True
 
     def __post_init__(self):
-        for name in ("reshard_after_forward", "prefetch", "skip_nonfinite"):
+        for name in ("reshard_after_forward", "prefetch", "skip_nonfinite", "cast_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Policy: {name}={getattr(self, name)!r} must be True or False")
         if (isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int)
@@ -226,7 +232,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             tree = (tree, bufs)
         try:
             # a training step computes gradients, under torch.no_grad() too
-            with torch.enable_grad(), hooks, run.running():
+            with torch.enable_grad(), hooks, run.running(), call.casting(policy):
                 loss, aux = _loss_of(loss_fn(tree, mb))
             call.check_found(run)
             _check_differentiable(loss)

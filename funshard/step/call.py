@@ -17,11 +17,13 @@ module's own parameter is refused by name (:class:`funshard.step.recompute.Recom
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from .. import pytree
 from . import recompute
 from .install import install
 from .run import Run
@@ -49,10 +51,15 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     dicts such as ``(params, buffers)``) in place of its own parameters and buffers.
 
     Inside ``train_step``'s ``loss_fn`` they stay installed until the micro-batch's backward
-    has finished (activation checkpointing recomputes with them); elsewhere this is
+    has finished (activation checkpointing recomputes with them), and under a Policy with
+    ``param_dtype`` floating-point inputs are cast to it (``Policy(cast_inputs=)``, as
+    FSDP2's ``cast_forward_inputs``); elsewhere this is
     ``torch.func.functional_call(module, params, args, kwargs)``. Tied weights stay tied;
     parameters ``params`` does not name stay the module's own.
     """
+    dt = _CAST.get()
+    if dt is not None:  # Policy(param_dtype=, cast_inputs=True): FSDP2's cast_forward_inputs
+        args, kwargs = pytree.tree_map(functools.partial(_cast, dt), (args, kwargs))
     run = Run.current()
     if run is None or run.backward:
         return torch.func.functional_call(module, params, args, kwargs)
@@ -68,6 +75,28 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
     return module(*args, **kwargs)
+
+
+# the dtype fs.call casts floating-point inputs to, while a step's loss_fn or an
+# eval_step's fn runs (Policy(param_dtype=, cast_inputs=True)); None: no cast
+_CAST: contextvars.ContextVar = contextvars.ContextVar("funshard_cast_inputs", default=None)
+
+
+@contextlib.contextmanager
+def casting(policy):
+    """While inside, :func:`call` casts inputs as ``policy`` says (see ``cast_inputs``)."""
+    token = _CAST.set(policy.param_dtype if policy.cast_inputs else None)
+    try:
+        yield
+    finally:
+        _CAST.reset(token)
+
+
+def _cast(dt: torch.dtype, x: Any) -> Any:
+    """A floating-point tensor in the compute dtype; anything else as it is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dt:
+        return x.to(dt)
+    return x
 
 
 def _checkpoint_groups(run: Run, module: torch.nn.Module, stack: contextlib.ExitStack) -> None:

@@ -26,6 +26,7 @@ from .. import pytree
 from . import buffers as buffers_
 from . import lazy
 from .api import Policy, TrainState
+from .call import casting
 from .params import ParamGroups
 from .run import Run
 
@@ -83,7 +84,7 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         if bufs is not None:
             tree = (tree, bufs)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), casting(policy):
                 return fn(tree, *args, **kwargs)
         finally:
             run.finish()
