@@ -271,6 +271,36 @@ def test_float_inputs_are_cast_as_fsdp2_casts_them(pools):
         assert kind == "RuntimeError" and "dtype" in msg, (kind, msg)  # cast_inputs=False
 
 
+def sparse_embedding(spec):
+    """nn.Embedding(sparse=True): its sparse gradient is made dense, so the step trains as
+    the same model with sparse=False in one process (SGD with momentum, 3 steps)."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 4, sparse=True), torch.nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    ref[0].sparse = False
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).sum(1), b[1]),
+                         fs.optim.sgd(lr=0.1, momentum=0.9))
+    state = step.init(fs.shard(fs.params(model), m))
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randint(0, 11, (2 * world, 5), generator=g), torch.randn(2 * world, 3)
+        state, _ = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+        topt.zero_grad()
+        F.mse_loss(ref(x).sum(1), y).backward()
+        topt.step()
+    full = fs.unshard(state.params)
+    return max((full[k] - v).abs().max().item() for k, v in ref.named_parameters())
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_sparse_embedding_gradients_train_as_dense(pools, spec):
+    for err in pools.run(spec, sparse_embedding):
+        assert err < 1e-6, err
+
+
 def fsdp2_parity(spec, raf):
     """The same GPT trained with FSDP2 fully_shard per block gives the same losses."""
     from torch.distributed.fsdp import fully_shard

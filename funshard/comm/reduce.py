@@ -118,8 +118,12 @@ class GradBucket:
             self.where.append((part, part.add(lay)))
 
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
-        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace)."""
+        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
+        A sparse one (``nn.Embedding(sparse=True)``) is made dense: the reductions and the
+        optimizers are dense, so it trains as ``sparse=False`` does."""
         lay = self.layouts[k]
+        if grad.layout != torch.strided:
+            grad = grad.to_dense()
         if grad.shape != lay.shape:  # a torch.Size is a tuple
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
