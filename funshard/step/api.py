@@ -232,7 +232,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             tree = (tree, bufs)
         try:
             # a training step computes gradients, under torch.no_grad() too
-            with torch.enable_grad(), hooks, run.running(), call.casting(policy):
+            with torch.enable_grad(), hooks, run.running():
                 loss, aux = _loss_of(loss_fn(tree, mb))
             call.check_found(run)
             _check_differentiable(loss)

@@ -57,10 +57,14 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     ``torch.func.functional_call(module, params, args, kwargs)``. Tied weights stay tied;
     parameters ``params`` does not name stay the module's own.
     """
-    dt = _CAST.get()
-    if dt is not None:  # Policy(param_dtype=, cast_inputs=True): FSDP2's cast_forward_inputs
-        args, kwargs = pytree.tree_map(functools.partial(_cast, dt), (args, kwargs))
     run = Run.current()
+    # Policy(param_dtype=, cast_inputs=True): FSDP2's cast_forward_inputs. A step's run says
+    # it (a recompute casts as its forward did); eval_step sets _CAST. (One context variable
+    # read per call: under torch 2.11 each is a graph break of a compiled loss_fn.)
+    dt = _CAST.get() if run is None else (run.policy.param_dtype if run.policy.cast_inputs
+                                          else None)
+    if dt is not None:
+        args, kwargs = pytree.tree_map(functools.partial(_cast, dt), (args, kwargs))
     if run is None or run.backward:
         return torch.func.functional_call(module, params, args, kwargs)
     merged = _merged(params)
@@ -77,8 +81,8 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     return module(*args, **kwargs)
 
 
-# the dtype fs.call casts floating-point inputs to, while a step's loss_fn or an
-# eval_step's fn runs (Policy(param_dtype=, cast_inputs=True)); None: no cast
+# the dtype fs.call casts floating-point inputs to while an eval_step's fn runs
+# (Policy(param_dtype=, cast_inputs=True)); None: no cast. A training step's run says it.
 _CAST: contextvars.ContextVar = contextvars.ContextVar("funshard_cast_inputs", default=None)
 
 
