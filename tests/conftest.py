@@ -29,6 +29,19 @@ settings.load_profile("funshard")
 MESHES = [1, 2, 3, 4, "2x2"]
 
 
+def torch_step(opt, loss) -> float:
+    """One plain torch step on ``loss`` (the FSDP2 side of a parity test): zero_grad,
+    backward, step; returns the loss's mean over the ranks."""
+    import torch.distributed as dist
+
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 class Pools:
     """Lazily started pools, one per world size; ``pools.run(spec, fn, *args)``."""
 

@@ -24,6 +24,7 @@ import funshard as fs
 from funshard import comm
 from funshard.testing import DEVICE, CountCollectives, device, devices_for, mesh
 from funshard.testing.models import GPT, gpt_loss
+from conftest import torch_step
 
 pytestmark = pytest.mark.lane
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,12 +161,7 @@ def mixed_precision_vs_fsdp2(spec):
                 state, metrics = step(state, (x, y))
             ours.append(metrics["loss"])
             loss = F.cross_entropy(theirs(x).flatten(0, 1).float(), y.flatten())
-            topt.zero_grad()
-            loss.backward()
-            topt.step()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            fsdp.append(t.item() / world)
+            fsdp.append(torch_step(topt, loss))
         full = fs.unshard(state.params)
         sd = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
         err = max((full[k] - sd[k]).abs().max().item() for k in full)

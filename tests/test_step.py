@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import funshard as fs
 from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, capture, mesh
-from conftest import EXAMPLES, MESHES
+from conftest import EXAMPLES, MESHES, torch_step
 
 
 def build(name, seed=0):
@@ -245,12 +245,7 @@ def float_inputs(spec):
         state, metrics = step(state, local)
         ours.append(metrics["loss"])
         loss = F.mse_loss(theirs(local[0]).float(), local[1])
-        topt.zero_grad()
-        loss.backward()
-        topt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        fsdp.append(t.item() / world)
+        fsdp.append(torch_step(topt, loss))
     full = fs.unshard(state.params)
     err = max((full[n] - p.full_tensor()).abs().max().item() for n, p in theirs.named_parameters())
     x = batches(kind, world, 2, 1)[0][0]
@@ -322,12 +317,7 @@ def fsdp2_parity(spec, raf):
         state, metrics = step(state, local)
         ours_curve.append(metrics["loss"])
         loss = F.cross_entropy(theirs(local[0]).flatten(0, 1), local[1].flatten())
-        topt.zero_grad()
-        loss.backward()
-        topt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        fsdp_curve.append(t.item() / world)
+        fsdp_curve.append(torch_step(topt, loss))
     return ours_curve, fsdp_curve
 
 
