@@ -329,6 +329,46 @@ def test_two_installs_with_checkpointing_are_refused(pools, spec):
         assert "through fs.call twice with different tensors and checkpointed" in msg, msg
 
 
+def called_twice(spec, raf, how):
+    """One checkpointed model called twice in a loss (a dual encoder with shared weights):
+    each block's group is in two regions, and the second recompute gathers the leaves the
+    first one took afresh; as they were in forward, they require grad (else the recompute
+    saves fewer tensors than its forward: torch's CheckpointError). SGD vs one process."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = (CkptGPT(False, vocab=37, dim=12, heads=2, layers=3, seq=8) if how == "model"
+             else GPT(vocab=37, dim=12, heads=2, layers=3, seq=8))
+    ref = copy.deepcopy(model)
+
+    def two(logits_a, logits_b, x, y):
+        return (F.cross_entropy(logits_a.flatten(0, 1), y.flatten())
+                + F.cross_entropy(logits_b.flatten(0, 1), x.flatten()))
+
+    step = fs.train_step(lambda p, b: two(fs.call(model, p, b[0]), fs.call(model, p, b[1]), *b),
+                         fs.optim.sgd(lr=0.1),
+                         policy=fs.Policy(reshard_after_forward=raf,
+                                          checkpoint=how == "policy"))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        b = tuple(torch.randint(0, 37, (2 * world, 8), generator=g) for _ in range(2))
+        state, _ = step(state, tuple(t[rank * 2:(rank + 1) * 2] for t in b))
+        opt.zero_grad()
+        two(ref(b[0]), ref(b[1]), *b).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    return max((full[k] - v).abs().max().item() for k, v in ref.named_parameters())
+
+
+@pytest.mark.parametrize("how", ["model", "policy"])  # its own checkpointing, or Policy's
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_checkpointed_model_called_twice(pools, raf, how):
+    for err in pools.run(2, called_twice, raf, how):
+        assert err < 1e-5, err
+
+
 def two_regions_one_group(spec, reentrant, raf, peek=False):
     """Each block checkpointed on its own, two blocks per group: the second region's
     recompute finds the group's leaves taken by the first one's and gathers them again.

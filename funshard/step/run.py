@@ -205,7 +205,12 @@ class Run:
                 self.use([gi], new_op=False)
             elif k in group.to_regather:
                 group.regather()
-            t = got[(gi, k)] = group.fulls[k]
+            t = group.fulls[k]
+            if self.params.trainable[group.idx[k]] and not t.requires_grad:
+                # gathered afresh (an earlier recompute took the first): as its forward saw
+                # it, it requires grad, or the recompute's ops save fewer tensors
+                t = t.detach().requires_grad_()
+            got[(gi, k)] = t
             group.release_leaf(k)
         return t
 
