@@ -40,13 +40,13 @@ class LossScale(NamedTuple):
     good_steps: int = 0
 
 
-def check(value, where: str = "Policy") -> None:
+def check(value) -> None:
     """``None``, ``"dynamic"`` or a finite number > 0."""
     if value is None or value == "dynamic":
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             0 < value < math.inf):
-        raise ValueError(f"{where}: loss_scale={value!r} must be None, 'dynamic' or a number "
+        raise ValueError(f"Policy: loss_scale={value!r} must be None, 'dynamic' or a number "
                          "> 0 (a static scale)")
 
 
@@ -86,11 +86,9 @@ def scaled(loss: torch.Tensor, k: int, ls: LossScale | None) -> torch.Tensor:
     return loss / k * torch.full((), ls.scale, dtype=torch.float32, device=loss.device)
 
 
-def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale | None) -> list:
+def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale) -> list:
     """The reduced gradients in their masters' ``dtypes``, divided by the scale (in place
     where already so; a power of two divides exactly)."""
-    if ls is None:
-        return grads
     out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
     present = [g for g in out if g is not None]
     if present and ls.scale != 1.0:

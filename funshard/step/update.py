@@ -92,12 +92,13 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
                                                  [lay.dtype for lay in params.layouts], ls))
     metrics, present = metrics_of(params, out, policy.accumulate)
     grads, norm = out.grads, metrics["grad_norm"]
-    finite = math.isfinite(norm) and math.isfinite(metrics["loss"])
+    grads_finite, loss_finite = math.isfinite(norm), math.isfinite(metrics["loss"])
+    finite = grads_finite and loss_finite
     if ls is not None:
         metrics["loss_scale"] = ls.scale
-    overflow = scaling.overflowed(policy, ls, math.isfinite(norm), math.isfinite(metrics["loss"]))
+    overflow = scaling.overflowed(policy, ls, grads_finite, loss_finite)
     if not finite and not policy.skip_nonfinite and not overflow:
-        if not math.isfinite(norm):
+        if not grads_finite:
             _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
         raise FloatingPointError(
             f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
@@ -114,7 +115,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     metrics["skipped"] = int(seen.dropped)
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                           skipped=state.skipped + int(seen.dropped), buffers=None,
-                          loss_scale=scaling.after(policy, ls, math.isfinite(norm))), metrics
+                          loss_scale=scaling.after(policy, ls, grads_finite)), metrics
 
 
 def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step: int,
