@@ -4,6 +4,8 @@
 #
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh lane      # the CUDA test lane (scripts/test.sh)
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh single    # issue 16's table: small and large, fp32, bf16
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh floor     # host time: plain, module hooks, lean
+#                                                     # stand-ins, funshard (benchmarks/host_floor.py)
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh bench     # the default benchmark at world 1, with
 #                                                     # the overlap profile (collectives forced)
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh demo      # the demo on one GPU, briefly
@@ -44,14 +46,15 @@ run() {
     lane) stage lane bash scripts/test.sh --device cuda -q -p no:cacheprovider ;;
     single) stage single "$PY" -m benchmarks.bench --device cuda --single small,large \
               --json "$OUT/single.json" ;;
+    floor) stage floor "$PY" -m benchmarks.host_floor --device cuda ;;
     bench) FUNSHARD_FORCE_COLLECTIVES=1 stage bench "$PY" -m benchmarks.bench --device cuda \
              --world 1 --profile funshard_full --json "$OUT/bench.json" ;;
     demo) stage demo bash scripts/demo.sh --device cuda --nproc 1 --mesh 1x1 --steps 60 \
             --no-progress --out "$(mktemp -d)/demo-run" ;;  # its log only: few files in $OUT
     all) local rc=0
-         for s in info lane single bench demo; do run "$s" || rc=1; done
+         for s in info lane single floor bench demo; do run "$s" || rc=1; done
          return "$rc" ;;
-    *) echo "gpu.sh: unknown stage '$1' (info, lane, single, bench, demo, all)" >&2; return 2 ;;
+    *) echo "gpu.sh: unknown stage '$1' (info, lane, single, floor, bench, demo, all)" >&2; return 2 ;;
   esac
 }
 
