@@ -68,9 +68,24 @@ class _Reference:
             self.where.pop(t.untyped_storage().data_ptr(), None)
             t.untyped_storage().resize_(0)
 
+    def refill(self, gi: int, outs: list[torch.Tensor]) -> None:
+        """Cast group ``gi`` again into its freed tensors (autograd saved them: their
+        version counters are kept)."""
+        for t in outs:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            self.cast_into(gi, outs)
+
     def pack(self, t: torch.Tensor):
         hit = self.where.get(t.untyped_storage().data_ptr())
         return t if hit is None else (hit, t.detach())
+
+    def unpack(self, x):
+        if type(x) is not tuple:
+            return x
+        (gi, _), t = x
+        self.use(gi)  # resident again
+        return t
 
     def update(self, grads: list[torch.Tensor]) -> None:
         for m, g in zip(self.master, grads):
@@ -90,31 +105,21 @@ class Hooks(_Reference):
         for gi in range(len(self.members)):
             self.free(gi)
         for gi, block in zip(self.block_groups, self.model.layers):
-            block.register_forward_pre_hook(lambda *_, gi=gi: self.cast(gi))
+            block.register_forward_pre_hook(lambda *_, gi=gi: self.use(gi))
             block.register_forward_hook(lambda *_, gi=gi: self.free(gi))
 
-    def cast(self, gi: int) -> None:
+    def use(self, gi: int) -> None:
         if not self.resident[gi]:
-            for t in self.low[gi]:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-            with torch.autograd._unsafe_preserve_version_counter(tuple(self.low[gi])):
-                self.cast_into(gi, self.low[gi])
+            self.refill(gi, self.low[gi])
             self.resident[gi] = True
 
     def free(self, gi: int) -> None:
         self.drop(self.low[gi])
         self.resident[gi] = False
 
-    def unpack(self, x):
-        if type(x) is not tuple:
-            return x
-        (gi, _), t = x
-        self.cast(gi)
-        return t
-
     def step(self, batch) -> None:
         x, y = batch
-        self.cast(self.root)  # the rest: resident all step, as FSDP2's root
+        self.use(self.root)  # the rest: resident all step, as FSDP2's root
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten()).backward()
         for gi in range(len(self.members)):
@@ -187,11 +192,7 @@ class StandIns(_Reference):
             idx = self.members[gi]
             self.fulls[gi] = list(_Cast.apply(self, gi, *[self.master[i] for i in idx]))
         elif not self.resident[gi]:
-            full = self.fulls[gi]
-            for t in full:
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-            with torch.autograd._unsafe_preserve_version_counter(tuple(full)):
-                self.cast_into(gi, full)
+            self.refill(gi, self.fulls[gi])
         self.resident[gi] = True
         if not self.backward:
             self.bind(gi, True)
@@ -207,13 +208,6 @@ class StandIns(_Reference):
         if self.resident[gi]:
             self.drop(self.fulls[gi])
             self.resident[gi] = False
-
-    def unpack(self, x):
-        if type(x) is not tuple:
-            return x
-        (gi, _), t = x
-        self.use(gi)
-        return t
 
     def step(self, batch) -> None:
         x, y = batch
