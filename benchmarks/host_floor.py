@@ -43,7 +43,7 @@ class _Reference:
     """float32 masters and AdamW; the bfloat16 copies in groups (a block each, the rest)."""
 
     def __init__(self, base: torch.nn.Module):
-        self.model = copy.deepcopy(base).to(LOW)  # bfloat16 copies, storages freed below
+        self.model = copy.deepcopy(base).to(LOW)  # Hooks computes with these; StandIns not
         self.names = [n for n, _ in base.named_parameters()]
         self.master = [p.detach().clone().requires_grad_() for p in base.parameters()]
         self.opt = torch.optim.AdamW(self.master, lr=1e-3, foreach=True)
