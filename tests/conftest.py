@@ -29,6 +29,20 @@ settings.load_profile("funshard")
 MESHES = [1, 2, 3, 4, "2x2"]
 
 
+def fsdp2_twin(model, mesh, **kwargs):
+    """A copy of ``model`` (a GPT or MLP: its ``layers``) under FSDP2, as parity tests set it
+    up: ``fully_shard`` on each layer and on the root, with ``kwargs`` (mp_policy=...)."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    twin = copy.deepcopy(model)
+    for layer in twin.layers:
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(twin, mesh=mesh, **kwargs)
+    return twin
+
+
 def torch_step(opt, loss) -> float:
     """One plain torch step on ``loss`` (the FSDP2 side of a parity test): zero_grad,
     backward, step; returns the loss's mean over the ranks."""

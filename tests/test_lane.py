@@ -24,7 +24,7 @@ import funshard as fs
 from funshard import comm
 from funshard.testing import DEVICE, CountCollectives, device, devices_for, mesh
 from funshard.testing.models import GPT, gpt_loss
-from conftest import torch_step
+from conftest import fsdp2_twin, torch_step
 
 pytestmark = pytest.mark.lane
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,17 +137,14 @@ def test_one_device_as_a_user_runs_it(pools, policy):
 def mixed_precision_vs_fsdp2(spec):
     """bf16 compute, fp32 reduce and masters: funshard against FSDP2 ``fully_shard`` with
     ``MixedPrecisionPolicy`` (per block and the root), the same batches: losses and params."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     with forced(world):
         m = mesh(spec)
         model = _gpt(dev)
-        theirs = copy.deepcopy(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in theirs.layers:
-            fully_shard(block, mesh=m, mp_policy=mp)
-        fully_shard(theirs, mesh=m, mp_policy=mp)
+        theirs = fsdp2_twin(model, m, mp_policy=mp)
         topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
         step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2),
                              policy=fs.Policy(param_dtype=torch.bfloat16,

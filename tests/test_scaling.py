@@ -12,6 +12,7 @@ from funshard.step import scaling
 from funshard import LossScale
 from funshard.testing import DEVICE, device, mesh
 from funshard.testing.models import GPT, gpt_loss
+from conftest import fsdp2_twin
 
 FP16 = dict(param_dtype=torch.float16, reduce_dtype=torch.float32)
 
@@ -229,17 +230,14 @@ def test_a_state_whose_loss_scale_does_not_fit_is_refused(pools):
 def fsdp2_fp16(spec):
     """FSDP2 (fully_shard per block, MixedPrecisionPolicy float16 / float32) with its
     ShardedGradScaler, against Policy(float16, float32, loss_scale='dynamic')."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     m = mesh(spec)
     rank = dist.get_rank()
     model = _gpt()
-    theirs = copy.deepcopy(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    for block in theirs.layers:
-        fully_shard(block, mesh=m, mp_policy=mp)
-    fully_shard(theirs, mesh=m, mp_policy=mp)
+    theirs = fsdp2_twin(model, m, mp_policy=mp)
     topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
     scaler = ShardedGradScaler(device="cpu")
     inner = gpt_loss(model)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import funshard as fs
 from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, capture, mesh
-from conftest import EXAMPLES, MESHES, torch_step
+from conftest import EXAMPLES, MESHES, fsdp2_twin, torch_step
 
 
 def build(name, seed=0):
@@ -225,16 +225,13 @@ def float_inputs(spec):
     """An MLP fed float32 inputs under Policy(param_dtype=bfloat16): fs.call casts them, as
     FSDP2's MixedPrecisionPolicy (cast_forward_inputs=True) does; the same losses and
     parameters as FSDP2 per layer and root. cast_inputs=False leaves them float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     m = mesh(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, loss_fn, kind = build("mlp")
-    theirs = copy.deepcopy(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in theirs.layers:
-        fully_shard(layer, mesh=m, mp_policy=mp)
-    fully_shard(theirs, mesh=m, mp_policy=mp)
+    theirs = fsdp2_twin(model, m, mp_policy=mp)
     topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     step = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2), policy=fs.Policy(**bf16))
@@ -298,15 +295,10 @@ def test_sparse_embedding_gradients_train_as_dense(pools, spec):
 
 def fsdp2_parity(spec, raf):
     """The same GPT trained with FSDP2 fully_shard per block gives the same losses."""
-    from torch.distributed.fsdp import fully_shard
-
     m = mesh(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, loss_fn, kind = build("gpt")
-    theirs = copy.deepcopy(model)
-    for block in theirs.layers:
-        fully_shard(block, mesh=m, reshard_after_forward=raf)
-    fully_shard(theirs, mesh=m, reshard_after_forward=raf)
+    theirs = fsdp2_twin(model, m, reshard_after_forward=raf)
     topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     step = fs.train_step(loss_fn, fs.optim.adamw(lr=1e-2),
                          policy=fs.Policy(reshard_after_forward=raf))
@@ -587,17 +579,12 @@ def test_policy_clip_and_skip_are_the_transforms(pools):
 def step_peaks(spec, blocks=8):
     """Live tensor peak of one FULL_SHARD step (all storages, regrown ones included), funshard
     and FSDP2 (fully_shard per block) on the same GPT, AdamW, same batch."""
-    from torch.distributed.fsdp import fully_shard
-
     from funshard.testing import LivePeak
 
     m = mesh(spec)
     torch.manual_seed(0)
     model = GPT(vocab=32, dim=64, heads=4, layers=blocks, seq=8)
-    theirs = copy.deepcopy(model)
-    for block in theirs.layers:
-        fully_shard(block, mesh=m)
-    fully_shard(theirs, mesh=m)
+    theirs = fsdp2_twin(model, m)
     topt = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=True)
     step = fs.train_step(gpt_loss(model), fs.optim.adamw(lr=1e-3))
     state = step.init(fs.shard(fs.params(model), m))
