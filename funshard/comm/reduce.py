@@ -128,9 +128,11 @@ class GradBucket:
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
         if self.skip:
-            g = grad.to(self.dtypes[k], copy=not self.alias)
             d = self.direct[k]
-            self.direct[k] = d.add_(g) if add and d is not None else g
+            if add and d is not None:  # rounded once, as a reduce buffer adds (see _Part.put)
+                d.add_(grad)
+            else:
+                self.direct[k] = grad.to(self.dtypes[k], copy=not self.alias)
             return
         part, j = self.where[k]
         part.put(j, grad, first=not (add and part.filled[j]))
