@@ -20,6 +20,8 @@ class Reductions:
         self.params, self.policy = params, policy
         self.buckets: dict[int, comm.GradBucket] = buckets  # per group, until launched
         self.accumulating = accumulating
+        # a world of one, one micro-batch: each gradient is its own reduction (see put_all)
+        self.local = comm.skips(params.world) and not accumulating
         # reductions in flight, oldest first: (group, leaf positions, comm.Reducing)
         self.in_flight: list[tuple[object, list[int], comm.Reducing]] = []
 
@@ -51,12 +53,38 @@ class Reductions:
         """:meth:`put` of ``(k, grad)`` pairs, the bucket found once."""
         if not grads:
             return
+        if self.local:
+            self._put_local(group, grads)
+            return
         bucket, slot = self.bucket(group), self.params.slot[group.gi]
         for k, grad in grads:
             bucket.put(slot[k], grad, add=True)
 
+    def _put_local(self, group, grads: list) -> None:
+        """:meth:`put_all` on a world of one with one micro-batch: the group's reduced
+        gradients are its gradients, in the reduce dtype and then the parameters' (as
+        :class:`comm.GradBucket` keeps them there), with no bucket object and no per-leaf
+        checks (autograd gave these gradients their leaves' shapes). Measured 2026-11-24
+        (host-bound GPT 8 x 64, float32, world 1, this CPU): 47 -> 33 us per group handed
+        over."""
+        p, idx = self.params, group.idx
+        out = group.grads = [None] * len(idx)
+        rdt = self.policy.reduce_dtype
+        for k, g in grads:
+            if g.layout != torch.strided:  # nn.Embedding(sparse=True): see GradBucket.put
+                g = g.to_dense()
+            out[k] = g.to(rdt or p.dtypes[idx[k]]).to(p.layouts[idx[k]].dtype)
+
     def launch(self, group) -> None:
         """Start reducing the group's bucket (after the step's last micro-batch)."""
+        if self.local:  # what _put_local made is reduced; a leaf never put: zeros
+            p, out = self.params, group.grads or [None] * len(group.idx)
+            for k in p.grad_pos[group.gi]:
+                if out[k] is None:
+                    lay = p.layouts[group.idx[k]]
+                    out[k] = torch.zeros(lay.shape, dtype=lay.dtype, device=p.device)
+            group.grads = out
+            return
         bucket = self.bucket(group)
         del self.buckets[group.gi]
         self.in_flight.append((group, self.params.grad_pos[group.gi], bucket.launch()))
