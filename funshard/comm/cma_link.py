@@ -253,7 +253,7 @@ class _Link:
             now = time.monotonic()
             if now >= check:
                 check = now + 0.25
-                failed = failures.explain(None, f"{kind} (cross-memory)")
+                failed = failures.explain(None, f"{kind} (cross-memory)", waiting=True)
                 if failed is not None:
                     raise failed
             if now - start > self.timeout:

@@ -62,6 +62,7 @@ class _Calls:
         self.what = ""
         self.depth = 0
         self.posted = False
+        self.failed_seq = None  # the call this rank last raised in (and posted)
         self.lingering = False
 
 
@@ -142,7 +143,7 @@ def post(e: BaseException) -> None:
              "message": text}))
     except Exception:  # noqa: BLE001 - a dead store: peers fall back to the backend's words
         return
-    CALLS.posted = True
+    CALLS.posted, CALLS.failed_seq = True, CALLS.seq
     if _hosts_store() and not CALLS.lingering:
         CALLS.lingering = True
         atexit.register(_linger, store)
@@ -176,8 +177,11 @@ def _linger(store, limit: float = 3.0) -> None:
         time.sleep(0.05)
 
 
-def records(store=None) -> list[dict]:
-    """Failure records of other ranks for this rank's current or previous call."""
+def records(store=None, *, shared: bool = True) -> list[dict]:
+    """Failure records of other ranks for this rank's current or previous call.
+    ``shared=False`` leaves out those of a call this rank raised in too: there the error
+    was (also) this rank's, its caller has it, and a peer's record of it says nothing
+    about a later collective (a peer that caught it too may just be slow to join)."""
     store = store or _store()
     if store is None:
         return []
@@ -191,6 +195,8 @@ def records(store=None) -> list[dict]:
             rec = json.loads(store.get(_key("failed", r)))
         except Exception:  # noqa: BLE001 - the store is gone with its host
             continue
+        if not shared and rec.get("seq") == CALLS.failed_seq:
+            continue
         if rec.get("seq") in (CALLS.seq, CALLS.seq - 1):
             out.append(rec)
             with contextlib.suppress(Exception):
@@ -198,10 +204,12 @@ def records(store=None) -> list[dict]:
     return out
 
 
-def explain(e: BaseException, where: str) -> RankFailed | None:
+def explain(e: BaseException | None, where: str, *, waiting: bool = False) -> RankFailed | None:
     """A collective failed under ``where`` on this rank: the RankFailed naming the rank
-    whose exception caused it, if one posted one."""
-    found = records()
+    whose exception caused it, if one posted one. ``waiting``: no collective failed, this
+    rank is only waiting for its peers (a direct exchange checks while it waits): a record
+    of an error this rank raised too is no reason to stop (see :func:`records`)."""
+    found = records(shared=not waiting)
     if not found:
         return None
     rec = min(found, key=lambda r: r["rank"])
