@@ -271,6 +271,9 @@ def test_dynamic_loss_scale_matches_fsdp2_sharded_grad_scaler(pools, spec):
     """The same overflowing steps skipped at the same scales, the same losses, and
     parameters within float16 round-off of FSDP2 + ShardedGradScaler."""
     for ours, theirs, err in pools.run(spec, fsdp2_fp16):
-        assert ours == theirs, (ours, theirs)
+        # skips and scales exactly; losses to the reductions' round-off (their summation
+        # order differs with the transport: 57.7643 against 57.7644 once, with cma)
+        assert [o[:2] for o in ours] == [t[:2] for t in theirs], (ours, theirs)
+        assert all(abs(o[2] - t[2]) <= 2e-4 for o, t in zip(ours, theirs)), (ours, theirs)
         assert 1 <= sum(s for s, _, _ in ours) <= 6, ours  # some skipped, some applied
         assert err < 1e-5, err
