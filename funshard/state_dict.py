@@ -195,7 +195,8 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
     plain tensor (full: e.g. ``model.state_dict()`` or a ``torch.load``-ed file; each rank
     copies only its slice). Everything is checked before anything is built: missing and
     unexpected keys, shape, dtype and layout mismatches are reported together in one
-    ``ValueError``.
+    ``ValueError``. For a TrainState, what :func:`fs.checkpoint.load` fills in is filled in
+    here too (:func:`later_fields`): ``skipped`` as 0, a loss scale ``sd`` lacks as ``like``'s.
 
     Args:
         sd: a state dict; with ``rank0_only`` only rank 0's is read (others may pass None).
@@ -210,6 +211,8 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
     Example: ``load_state_dict(model.state_dict(), like=sparams)["w"]`` -> DTensor (7, 3).
     """
     keys, likes, spec = _flat(like)
+    if isinstance(sd, dict):
+        sd = with_later_fields(sd, like, dict(zip(keys, likes)))
     if rank0_only and _world() > 1:
         values = _load_rank0(sd, keys, likes, strict=strict)
     else:
@@ -220,6 +223,30 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
             raise ValueError(_report(problems))
         values = [_build(k, sd[k], v) for k, v in zip(keys, likes)]
     return pytree.unflatten(spec, values)
+
+
+SCALE = "loss_scale."  # the keys of a TrainState's loss scale (see later_fields)
+
+
+def later_fields(like: Tree, like_sd: dict) -> dict[str, Any]:
+    """A TrainState's keys that a state dict or checkpoint may lack, and their value then:
+    ``skipped`` (0: states saved before it existed counted every step in the optimizer's),
+    and ``loss_scale`` (like's: a run saved without loss scaling resumed with it starts where
+    the Policy starts)."""
+    fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
+    if "params" not in fields or "skipped" not in fields:
+        return {}
+    return {"skipped": 0, **{k: v for k, v in like_sd.items() if k.startswith(SCALE)}}
+
+
+def with_later_fields(sd: dict, like: Tree, like_sd: dict) -> dict:
+    """``sd`` with the :func:`later_fields` it lacks filled in, and without a loss scale
+    ``like`` has none of (a run saved with loss scaling resumed without it)."""
+    later = later_fields(like, like_sd)
+    if not later:
+        return sd
+    return {**{k: v for k, v in later.items() if k not in sd},
+            **{k: v for k, v in sd.items() if k in like_sd or not k.startswith(SCALE)}}
 
 
 def _problems(sd: dict, keys: list[str], likes: list[Any], *, strict: bool) -> list[str]:

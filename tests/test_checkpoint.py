@@ -22,6 +22,7 @@ from funshard.testing import make_tensor
 from funshard import checkpoint as ck
 from funshard.checkpoint.atomic import _leftovers, _marker
 from funshard.state_dict import _flat, _groups
+from funshard.step import LossScale
 from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
 from conftest import MESHES
@@ -259,13 +260,22 @@ def skipped_counts(spec, path):
     like = small_state(m, seed=5)._replace(step=0, skipped=7)
     new, old = (ck.load(os.path.join(path, d), like=like) for d in ("new", "old"))
     keys = json.load(open(os.path.join(path, "old", ck.MARKER)))["keys"]
+    # in memory (fs.load_state_dict) as from a checkpoint: the old state dict loads with 0;
+    # a loss scale the dict lacks is like's, and one like has none of is left out
+    sd = ck.state_dict(TrainState(state.params, state.opt_state, 11), "full")
+    mem = ck.load_state_dict(sd, like)
+    scaled = like._replace(loss_scale=LossScale(8.0, 3))
+    ls_in = ck.load_state_dict(sd, scaled).loss_scale
+    ls_out = ck.load_state_dict(ck.state_dict(scaled, "full"), like).loss_scale
     return ((new.step, new.skipped), (old.step, old.skipped), "skipped" in keys,
-            same(ck.state_dict(state._replace(skipped=0), "full"), ck.state_dict(old, "full")))
+            same(ck.state_dict(state._replace(skipped=0), "full"), ck.state_dict(old, "full")),
+            (mem.step, mem.skipped), same(ck.state_dict(old, "full"), ck.state_dict(mem, "full")),
+            ls_in, ls_out)
 
 
 def test_skipped_count_in_checkpoints(pools, tmp_path):
     for r in pools.run(2, skipped_counts, str(tmp_path)):
-        assert r == ((11, 3), (11, 0), False, []), r
+        assert r == ((11, 3), (11, 0), False, [], (11, 0), [], LossScale(8.0, 3), None), r
 
 
 @pytest.mark.skipif(not os.environ.get("FUNSHARD_SLOW"), reason="8 ranks: set FUNSHARD_SLOW=1")

@@ -22,13 +22,12 @@ from ..comm import failures
 from .. import pytree
 from ..layout import as_dtensor
 from .._ranks import _rank, _world
-from ..state_dict import Tree, _describe_value, _flat, _like
+from ..state_dict import SCALE, Tree, _describe_value, _flat, _like, later_fields
 from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
 from .checks import agree, check_flag, check_path, digest, key_info
 from .dirs import latest
 from .errors import CheckpointError, _cause, _describe, _is_comm_failure, peers
 
-_SCALE = "loss_scale."  # a TrainState's loss scale (see _later_fields)
 SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
 
 
@@ -61,7 +60,7 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     """
     keys, likes, spec = _flat(like)
     like_sd = dict(zip(keys, likes))
-    later = _later_fields(like, like_sd)
+    later = later_fields(like, like_sd)
     real, err = check_path("load", path)
     err = err or check_flag("load", "verify", verify)
     where = None
@@ -120,21 +119,11 @@ def _newest_in(path: str) -> tuple[str | None, tuple | None]:
     return os.path.realpath(found), None
 
 
-def _later_fields(like: Tree, like_sd: dict) -> dict[str, Any]:
-    """A TrainState's keys that a checkpoint may lack, and their value then: ``skipped``
-    (0: checkpoints written before it existed counted every step in the optimizer's), and
-    ``loss_scale`` (like's: a run saved without loss scaling resumed with it starts where
-    the Policy starts)."""
-    fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
-    if "params" not in fields or "skipped" not in fields:
-        return {}
-    return {"skipped": 0, **{k: v for k, v in like_sd.items() if k.startswith(_SCALE)}}
-
-
 def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
                   later: dict | None = None):
     """Resolve, read the marker, check keys and files; -> (dir, None) or (None, (type, msg)).
-    A key of ``later`` the checkpoint lacks is dropped from ``like_sd`` (see _later_fields)."""
+    A key of ``later`` the checkpoint lacks is dropped from ``like_sd`` (see
+    fs.state_dict.later_fields)."""
     where = _resolve(path)
     if where is None:
         return None, ("CheckpointError", f"load: no checkpoint at {path!r}; "
@@ -150,7 +139,7 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
         if k not in saved:
             like_sd.pop(k, None)
     if later:  # a TrainState without loss scaling resumes a run saved with it: not read
-        saved = {k: v for k, v in saved.items() if k in like_sd or not k.startswith(_SCALE)}
+        saved = {k: v for k, v in saved.items() if k in like_sd or not k.startswith(SCALE)}
     problems = _key_problems(saved, like_sd)
     if problems:
         text = "\n  ".join(_shorten(problems))
