@@ -67,6 +67,12 @@ def reduce_scatter(
     return pending if async_op else pending.wait()
 
 
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) made dense: the reductions and the
+    optimizers are dense, so it trains as ``sparse=False`` does."""
+    return grad.to_dense() if grad.layout != torch.strided else grad
+
+
 class GradBucket:
     """Full-size gradients of some leaves, laid out for one reduction, filled one at a time.
 
@@ -119,11 +125,9 @@ class GradBucket:
 
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
         """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
-        A sparse one (``nn.Embedding(sparse=True)``) is made dense: the reductions and the
-        optimizers are dense, so it trains as ``sparse=False`` does."""
+        A sparse one is made dense (:func:`dense`)."""
         lay = self.layouts[k]
-        if grad.layout != torch.strided:
-            grad = grad.to_dense()
+        grad = dense(grad)
         if grad.shape != lay.shape:  # a torch.Size is a tuple
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")

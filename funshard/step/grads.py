@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..comm.reduce import dense
 
 
 class Reductions:
@@ -71,9 +72,7 @@ class Reductions:
         out = group.grads = [None] * len(idx)
         rdt = self.policy.reduce_dtype
         for k, g in grads:
-            if g.layout != torch.strided:  # nn.Embedding(sparse=True): see GradBucket.put
-                g = g.to_dense()
-            out[k] = g.to(rdt or p.dtypes[idx[k]]).to(p.layouts[idx[k]].dtype)
+            out[k] = dense(g).to(rdt or p.dtypes[idx[k]]).to(p.layouts[idx[k]].dtype)
 
     def launch(self, group) -> None:
         """Start reducing the group's bucket (after the step's last micro-batch)."""
