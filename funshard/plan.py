@@ -27,7 +27,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .layout import Layout, compute_dtype, gather_bytes
+from .layout import Layout, gather_bytes
 from .step import Policy
 from .step.schedule import Schedule, group_names, make_schedule, partition
 
@@ -181,7 +181,7 @@ def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
     leaves = _leaves(shapes)
     names = [n for n, *_ in leaves]
     lays = [Layout(n, s, dt, len(s) > 0, shard, 0) for n, s, dt, _ in leaves]
-    dtypes = [compute_dtype(dt, policy.param_dtype) for _, _, dt, _ in leaves]
+    dtypes = [policy.compute_dtype(n, dt) for n, _, dt, _ in leaves]
     groups, members = partition(group_names(names, policy.groups, dict.fromkeys(names, 0),
                                             [s for _, s, *_ in leaves]))
     group_bytes = [sum(lays[i].full_bytes(dtypes[i]) for i in idx if lays[i].sharded)

@@ -4,6 +4,7 @@ checkpoints and evaluation carry them. Each law is checked against one process t
 every rank's micro-batch itself."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -158,3 +159,106 @@ def test_fs_buffers_lists_persistent_buffers():
     assert set(fs.buffers(m)) == {"0.running_mean", "0.running_var", "0.num_batches_tracked"}
     assert "scratch" in fs.buffers(m, persistent=False)
     assert copy.deepcopy(m) is not None
+
+
+LOW = torch.bfloat16
+KEEP_BN = fs.Policy(param_dtype=LOW, reduce_dtype=torch.float32,
+                    keep_dtype=lambda fqn: fqn.startswith("1."))
+
+
+def _mixed_loss(model):
+    def loss_fn(pb, batch):
+        x, y = batch
+        return F.mse_loss(fs.call(model, pb, x).float(), y)
+    return loss_fn
+
+
+def _mixed_reference(world, steps, lr=0.1):
+    """One process, as the step computes: each rank's micro-batch on bfloat16 copies of the
+    Linear weights and the float32 BatchNorm ones (the input cast to bfloat16, as fs.call
+    casts it), its gradient in float32, their mean; SGD on float32 masters; buffers' mean."""
+    model = _model()
+    params = {k: v.detach().clone() for k, v in fs.params(model).items()}
+    bufs = {k: v.clone() for k, v in fs.buffers(model).items()}
+    for step in range(steps):
+        x, y = _batch(step, world)
+        grads, copies = {k: torch.zeros_like(v) for k, v in params.items()}, []
+        for r in range(world):
+            full = {k: (v if k.startswith("1.") else v.to(LOW)).requires_grad_()
+                    for k, v in params.items()}
+            copies.append({k: v.clone() for k, v in bufs.items()})
+            out = torch.func.functional_call(model, (full, copies[-1]),
+                                             (x[r * B:(r + 1) * B].to(LOW),))
+            loss = F.mse_loss(out.float(), y[r * B:(r + 1) * B])
+            for k, g in zip(full, torch.autograd.grad(loss, list(full.values()))):
+                grads[k] += g.float()
+        for k in params:
+            params[k] = params[k] - lr * (grads[k] / world)
+        bufs = {k: (torch.stack([c[k].double() for c in copies]).mean(0).to(v.dtype)
+                    if v.is_floating_point() else copies[0][k]) for k, v in bufs.items()}
+    return params, bufs
+
+
+def train_mixed_with_batchnorm(spec, steps=3):
+    m = mesh(spec)
+    model = _model()
+    step = fs.train_step(_mixed_loss(model), fs.optim.sgd(lr=0.1), policy=KEEP_BN)
+    state = step.init(fs.shard(fs.params(model), m), fs.buffers(model))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for s in range(steps):
+        x, y = _batch(s, world)
+        state, _ = step(state, (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]))
+    ref_p, ref_b = _mixed_reference(world, steps)
+    p_err = max((state.params[k].full_tensor() - v).abs().max().item() for k, v in ref_p.items())
+    b_err = max((state.buffers[k].to_local().double() - v.double()).abs().max().item()
+                for k, v in ref_b.items())
+    moved = (state.params["0.weight"].full_tensor() - fs.params(model)["0.weight"]).abs().max()
+    return p_err, b_err, moved.item()
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"])
+def test_bfloat16_compute_with_batchnorm_kept_in_float32_equals_one_process(pools, spec):
+    """Policy(param_dtype=bfloat16, keep_dtype=<the BatchNorm>): the Linear layers compute
+    in bfloat16, the BatchNorm in float32 beside its float32 statistics, as one process."""
+    for p_err, b_err, moved in pools.run(spec, train_mixed_with_batchnorm):
+        assert p_err < 1e-6 and b_err < 1e-6 and moved > 1e-3, (p_err, b_err, moved)
+
+
+def batchnorm_in_bfloat16(spec):
+    m = mesh(spec)
+    model = _model()
+    bf16 = fs.Policy(param_dtype=LOW)
+    step = fs.train_step(_mixed_loss(model), fs.optim.sgd(lr=0.1), policy=bf16)
+    sp = fs.shard(fs.params(model), m)
+    out = {"init": capture(lambda: step.init(sp, fs.buffers(model)))}
+    kept = fs.train_step(_mixed_loss(model), fs.optim.sgd(lr=0.1), policy=KEEP_BN)
+    state = kept.init(sp, fs.buffers(model))  # a state another policy's step is given
+    x, y = _batch(0, dist.get_world_size())
+    out["apply"] = capture(lambda: step(state, (x[:B], y[:B])))
+    ev = fs.eval_step(lambda pb, x: fs.call(model, pb, x), policy=bf16)
+    out["eval"] = capture(lambda: ev(state, x[:B]))
+    return out
+
+
+def test_batchnorm_weight_cast_away_from_its_statistics_is_refused_by_name(pools):
+    """A bfloat16 BatchNorm weight beside float32 running statistics would fail inside
+    F.batch_norm with a message naming no parameter: init, a step and eval_step refuse it
+    by name, saying how to keep it."""
+    for r in pools.run(2, batchnorm_in_bfloat16):
+        for where, (t, msg) in r.items():
+            assert t == "TypeError", (where, msg)
+            assert "'1.weight' computes in torch.bfloat16" in msg, msg
+            assert "'1.running_mean'" in msg and "keep_dtype=lambda fqn: fqn.startswith('1.')" \
+                in msg, msg
+
+
+def test_policy_keep_dtype_is_validated_and_chooses_compute_dtypes():
+    with pytest.raises(TypeError, match="keep_dtype='1.' must be None or a predicate"):
+        fs.Policy(keep_dtype="1.")
+    shapes = {"0.weight": torch.zeros(8, 5), "1.weight": torch.zeros(8),
+              "1.num": torch.zeros(2, dtype=torch.int64)}
+    one = dataclasses.replace(KEEP_BN, groups=lambda fqn: "all")
+    assert [g.nbytes for g in fs.list_groups(shapes, one)] == [8 * 5 * 2 + 8 * 4 + 2 * 8]
+    assert KEEP_BN.compute_dtype("0.weight", torch.float32) == LOW
+    assert KEEP_BN.compute_dtype("1.weight", torch.float32) == torch.float32
+    assert KEEP_BN.compute_dtype("0.num", torch.int64) == torch.int64

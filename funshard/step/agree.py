@@ -24,7 +24,7 @@ def fingerprint(params, policy) -> list[tuple[str, str]]:
     out = [("the mesh", mesh_str(params.mesh))]
     for f in dataclasses.fields(policy):
         value = getattr(policy, f.name)
-        if f.name == "groups":  # compared as each parameter's group below
+        if f.name in ("groups", "keep_dtype"):  # compared per parameter below
             continue
         if f.name == "checkpoint" and callable(value):  # compared as the groups it selects
             value = [n for n in params.names if value(n)]
@@ -34,7 +34,8 @@ def fingerprint(params, policy) -> list[tuple[str, str]]:
         out.append((f"parameter {lay.path!r}",
                     f"shape {tuple(lay.shape)}, {lay.dtype}, "
                     f"{'trainable' if params.trainable[i] else 'frozen'}, "
-                    f"group {params.names[params.group_of[i]]!r}"))
+                    f"group {params.names[params.group_of[i]]!r}, "
+                    f"computes in {params.dtypes[i]}"))
     return out
 
 

@@ -34,7 +34,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from .. import comm, pytree
-from ..layout import check_float_dtype
+from ..layout import check_float_dtype, compute_dtype
 from ..optim import clip as optim_clip
 from . import agree, call, lazy, recompute, scaling, update
 from . import buffers as buffers_
@@ -100,6 +100,13 @@ class Policy:
             static scale; None (default) none. The step unscales the reduced gradients
             before the metrics, clipping and optimizer ([Note: loss scaling] in
             :mod:`funshard.step.scaling`); ``TrainState.loss_scale`` holds the scale.
+        keep_dtype: with ``param_dtype``, a predicate ``fqn -> bool``: the floating leaves
+            it selects compute in their own dtype (float32 masters: float32), as FSDP2 users
+            give such modules a policy of their own and FSDP1 keeps BatchNorm by default.
+            BatchNorm needs it: its running statistics (``TrainState.buffers``) stay float32,
+            and ``F.batch_norm`` takes a bfloat16 input with float32 weight, bias and
+            statistics, not a bfloat16 weight with float32 statistics (a step given both is
+            refused by name). E.g. ``keep_dtype=lambda fqn: ".bn" in fqn``.
     """
 
     reshard_after_forward: bool = True
@@ -115,6 +122,7 @@ class Policy:
     checkpoint: Any = False
     loss_scale: Any = None
     cast_inputs: bool = True
+    keep_dtype: Callable[[str], bool] | None = None
 
     def __post_init__(self):
         for name in ("reshard_after_forward", "prefetch", "skip_nonfinite", "cast_inputs"):
@@ -139,10 +147,19 @@ class Policy:
         if not isinstance(self.checkpoint, bool) and not callable(self.checkpoint):
             raise TypeError(f"Policy: checkpoint={self.checkpoint!r} must be True, False or a "
                             "predicate on group names")
+        if self.keep_dtype is not None and not callable(self.keep_dtype):
+            raise TypeError(f"Policy: keep_dtype={self.keep_dtype!r:.60} must be None or a "
+                            "predicate fqn -> bool")
         scaling.check(self.loss_scale)
         if self.buffers not in buffers_.RULES:
             raise ValueError(f"Policy: buffers={self.buffers!r} must be one of "
                              f"{', '.join(map(repr, buffers_.RULES))}")
+
+    def compute_dtype(self, fqn: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the leaf ``fqn`` of ``dtype`` computes in under this policy."""
+        if self.keep_dtype is not None and self.keep_dtype(fqn):
+            return dtype
+        return compute_dtype(dtype, self.param_dtype)
 
 
 class TrainState(NamedTuple):
@@ -315,6 +332,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
             groups, leaves = groups_for(params)
             if buffers is not None:
                 buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
+                buffers_.check_dtypes(groups, buffers, where="train_step.init")
             bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
             agree.check(groups, policy, [d._local_tensor for d in leaves],
                         where="train_step.init",
@@ -342,6 +360,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                    for d, t in zip(leaves, params.trainable)])
         bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
                                else ([], [], None))
+        if bufs is not None and params.schedule is None and not direct:  # not init's state?
+            buffers_.check_dtypes(params, state.buffers, where="train_step")
         out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
                              state.loss_scale)
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch)

@@ -36,6 +36,7 @@ from .. import comm, pytree
 from ..shard import shard
 
 RULES = ("mean", "broadcast", "own")
+_STATS = ("running_mean", "running_var")  # F.batch_norm's, beside the module's weight and bias
 
 
 def prepare(buffers: Any, mesh: DeviceMesh, *, where: str) -> Any:
@@ -53,6 +54,31 @@ def prepare(buffers: Any, mesh: DeviceMesh, *, where: str) -> Any:
     plain = pytree.unflatten(spec, [x.full_tensor() if isinstance(x, DTensor) else x.detach()
                                     for x in leaves])
     return shard(plain, mesh, spec="replicate")
+
+
+def check_dtypes(params, buffers: Any, *, where: str) -> None:
+    """A module's weight and bias compute in the dtype of its running statistics, or the step
+    is refused by name: ``F.batch_norm`` takes float32 statistics with a float32 weight (a
+    bfloat16 input is fine), not with a bfloat16 one. ``params``: a ``ParamGroups``."""
+    computes = {lay.path: (dt, lay.dtype) for lay, dt in zip(params.layouts, params.dtypes)}
+    for p, b in zip(*pytree.flatten_with_path(buffers)[:2]):
+        path = pytree.fqn(p)
+        module, _, name = path.rpartition(".")
+        if name not in _STATS or not b.is_floating_point():
+            continue
+        for leaf in (f"{module}.weight" if module else "weight",
+                     f"{module}.bias" if module else "bias"):
+            dt, own = computes.get(leaf, (b.dtype, b.dtype))
+            if dt != b.dtype:
+                fix = (f"Keep the module's leaves in their own dtype: Policy(keep_dtype=lambda "
+                       f"fqn: fqn.startswith({module + '.'!r})), or a predicate selecting "
+                       "every such module" if own == b.dtype else
+                       "Give the statistics the weight's dtype, or the weight theirs")
+                raise TypeError(
+                    f"{where}: parameter {leaf!r} computes in {dt}, but its module's running "
+                    f"statistic {path!r} (in the buffers) is {b.dtype}; F.batch_norm takes "
+                    f"the weight and bias in the statistics' dtype only, so the step would "
+                    f"fail. {fix}.")
 
 
 def locals_of(buffers: Any) -> tuple[list[DTensor], list[torch.Tensor], Any]:

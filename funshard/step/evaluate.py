@@ -75,6 +75,8 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
                 bufs = buffers_.locals_of(params.buffers)[2]  # copies: nothing is kept
             params = params.params
         groups = groups_for(params)
+        if bufs is not None:
+            buffers_.check_dtypes(groups, bufs, where="eval_step")
         shards = [d._local_tensor.detach() for d in pytree.flatten(params)[0]]
         run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
                   record=groups.schedule is None)  # the first call learns the order

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import pytree
-from ..layout import compute_dtype, describe
+from ..layout import describe
 from ..mesh import mesh_device, mesh_str
 from ..reduce import norm_weights
 from .direct import Leaves
@@ -47,7 +47,7 @@ class ParamGroups:
         self.unbindable = [{k for k, i in enumerate(idx)
                             if names[i].rsplit(".", 1)[-1] in ("running_mean", "running_var")}
                            for idx in self.members]
-        self.dtypes = [compute_dtype(leaf.dtype, policy.param_dtype) for leaf in leaves]
+        self.dtypes = [policy.compute_dtype(n, leaf.dtype) for n, leaf in zip(names, leaves)]
         self.world = mesh.size()
         # per group: no leaf is cast (on a world of one its shards are its full tensors)
         self.uncast = [all(self.dtypes[i] == leaves[i].dtype for i in idx)

@@ -100,16 +100,17 @@ def list_groups(tree: Any, policy: Any = None) -> list[GroupInfo]:
         >>> for g in fs.list_groups(fs.params(model)):
         ...     print(g.name or "(rest)", len(g.leaves), g.nbytes)
     """
-    from ..layout import compute_dtype
+    from .api import Policy
 
+    policy = Policy() if policy is None else policy
     paths, leaves, _ = pytree.flatten_with_path(tree)
     names = [pytree.fqn(p) for p in paths]
-    groups = getattr(policy, "groups", None)
-    order, members = partition(group_names(names, groups, tree, [x.shape for x in leaves]))
-    dtype = getattr(policy, "param_dtype", None)
+    order, members = partition(group_names(names, policy.groups, tree,
+                                           [x.shape for x in leaves]))
     return [GroupInfo(g, tuple(names[i] for i in idx),
-                      sum(math.prod(leaves[i].shape) * compute_dtype(leaves[i].dtype, dtype)
-                          .itemsize for i in idx))
+                      sum(math.prod(leaves[i].shape)
+                          * policy.compute_dtype(names[i], leaves[i].dtype).itemsize
+                          for i in idx))
             for g, idx in zip(order, members)]
 
 
