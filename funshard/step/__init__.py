@@ -12,7 +12,8 @@
   state raises;
 - :mod:`.buffers`: buffers in the state and their cross-rank rules; :mod:`.scaling`: loss
   scaling for float16 (LossScale);
-- :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver.
+- :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver;
+  :mod:`.loss`: what loss_fn returns.
 """
 
 from .api import Policy, TrainState, TrainStep, train_step

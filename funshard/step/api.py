@@ -38,6 +38,7 @@ from ..layout import check_float_dtype, compute_dtype
 from ..optim import clip as optim_clip
 from . import agree, call, lazy, recompute, scaling, update
 from . import buffers as buffers_
+from . import loss as loss_
 from . import direct as direct_
 from .donation import Donations
 from .params import ParamGroups
@@ -214,18 +215,6 @@ def _split_batch(batch: Any, k: int) -> list[Any]:
     return [pytree.unflatten(spec, [c[j] for c in parts]) for j in range(k)]
 
 
-def _loss_of(out: Any) -> tuple[torch.Tensor, Any]:
-    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
-        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
-        raise ValueError(
-            f"train_step: loss_fn must return a floating scalar tensor (or (loss, aux)), got "
-            f"{what}; reduce it, e.g. with .mean()."
-        )
-    return loss, aux
-
-
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                    batch: Any, bufs: Any, direct: bool, scale=None) -> update.Grads:
     """Forward and backward of every micro-batch; the reduced gradients of the last.
@@ -250,9 +239,9 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
         try:
             # a training step computes gradients, under torch.no_grad() too
             with torch.enable_grad(), hooks, run.running():
-                loss, aux = _loss_of(loss_fn(tree, mb))
+                loss, aux = loss_.loss_of(loss_fn(tree, mb))
             call.check_found(run)
-            _check_differentiable(loss)
+            loss_.check_differentiable(loss)
             run.checkpointing = recompute.checkpointed(run)
             call.check_recomputable(run)
             run.end_forward()
@@ -275,15 +264,6 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     for r in runs:
         r.release()
     return update.Grads(grads, loss_sum, aux_all, peaks, order)
-
-
-def _check_differentiable(loss: torch.Tensor) -> None:
-    if not loss.requires_grad:
-        raise ValueError(
-            "train_step: the loss does not require grad, so the step would change nothing: "
-            "loss_fn returned a detached loss (loss.detach(), .item(), a new tensor) or one "
-            "that no trainable parameter reaches. Return the loss as computed from params."
-        )
 
 
 def _check_counts(state: TrainState) -> None:
