@@ -15,7 +15,7 @@ from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import (EvalStep, LossScale, Policy, call, TrainState, TrainStep, eval_step,
+from .step import (EvalStep, LossScale, Mean, Policy, call, TrainState, TrainStep, eval_step,
                    list_groups, train_step)
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "CollectiveTimeout",
     "EvalStep",
     "LossScale",
+    "Mean",
     "PeerLost",
     "Policy",
     "RankFailed",

@@ -20,6 +20,7 @@ from .api import Policy, TrainState, TrainStep, train_step
 from .call import call
 from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
+from .loss import Mean
 from .params import ParamGroups
 from .run import Run
 from .scaling import LossScale
@@ -34,6 +35,7 @@ __all__ = [
     "GroupState",
     "IllegalTransition",
     "LossScale",
+    "Mean",
     "ParamGroups",
     "Policy",
     "Run",

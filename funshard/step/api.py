@@ -225,7 +225,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     buckets: dict = {}  # gradients summed over micro-batches, per group
     record = params.schedule is None
     loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
-    aux_all, runs = [], []
+    count = None  # fs.Mean's counts, summed (see [Note: a mean over every rank's items])
+    aux_all, runs, first = [], [], None
     for j, mb in enumerate(micro):
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
                   record=record and j == 0 and not direct, direct=direct)
@@ -240,18 +241,24 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             # a training step computes gradients, under torch.no_grad() too
             with torch.enable_grad(), hooks, run.running():
                 loss, aux = loss_.loss_of(loss_fn(tree, mb))
+            first = loss if first is None else first
+            loss_.same_kind(first, loss, j)
             call.check_found(run)
-            loss_.check_differentiable(loss)
+            loss_.check_differentiable(loss_.value(loss))
             run.checkpointing = recompute.checkpointed(run)
             call.check_recomputable(run)
             run.end_forward()
             with torch.enable_grad():
-                recompute.backward(run, scaling.scaled(loss, k, scale))
+                recompute.backward(run, scaling.scaled(loss_.value(loss),
+                                                       loss_.share(loss, k), scale))
             if direct:
                 params.leaves.check_unwritten(params)
         finally:
             run.finish()
-        loss_sum += loss.detach().double()
+        loss_sum += loss_.value(loss).detach().double()
+        if isinstance(loss, loss_.Mean):
+            c = loss_.count_of(loss, params.device)
+            count = c if count is None else count + c
         aux_all.append(aux)
         runs.append(run)
     grads: list = [None] * len(params.layouts)
@@ -263,7 +270,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     for r in runs:
         r.release()
-    return update.Grads(grads, loss_sum, aux_all, peaks, order)
+    return update.Grads(grads, loss_sum, aux_all, peaks, order, count)
 
 
 def _check_counts(state: TrainState) -> None:
@@ -278,7 +285,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
 
     Args:
         loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``; ``params`` has full shapes
-            (the loss is the mean over the local batch).
+            (the loss is the mean over the local batch; or ``fs.Mean(total, count)``, a mean
+            over every rank's items: [Note: a mean over every rank's items] in
+            :mod:`funshard.step.loss`).
         optimizer: an ``fs.optim`` optimizer (``init``, ``update``).
         policy: :class:`Policy`.
     Returns:

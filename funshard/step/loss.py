@@ -1,23 +1,128 @@
 """What ``loss_fn`` returns: a floating scalar loss (the mean over the local batch), or
-``(loss, aux)``; the loss must reach a trainable parameter."""
+``fs.Mean(total, count)`` (a mean over every rank's items), either alone or as
+``(loss, aux)``; the loss must reach a trainable parameter.
+
+[Note: a mean over every rank's items]
+
+A plain loss is the mean over the local batch, and the step's gradient the mean over ranks
+and micro-batches of those means: one process on the whole batch, when every local batch
+counts the same. Where the items a loss averages over differ between ranks or
+micro-batches (tokens whose label is masked, sequences of different lengths), the mean of
+means weighs a rank's few items as much as another's many: not what one process computes
+on the whole batch. ``fs.Mean(total, count)`` says what to average: backward starts from
+each micro-batch's ``total`` (summed, not averaged, over micro-batches), the counts ride
+on the metrics' all-reduce (no extra collective), and the reduced gradients are then
+multiplied by ``world / count`` (the reduction took the mean over ranks): the gradient of
+``sum(total) / sum(count)`` over every rank and micro-batch, as one process on the whole
+batch. The norm, clipping, non-finite rule and optimizer see that gradient. Every rank
+returns the same kind, or the step is refused on every rank.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 
 
-def loss_of(out: Any) -> tuple[torch.Tensor, Any]:
-    loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
-        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+@dataclasses.dataclass(frozen=True)
+class Mean:
+    """A loss that is ``total / count`` over every rank's and micro-batch's items: return
+    ``fs.Mean(total, count)`` from ``loss_fn`` (or ``(fs.Mean(...), aux)``), ``total`` the
+    sum of the items' losses (a floating scalar tensor), ``count`` how many items (a scalar
+    tensor or a number; on the device, no host sync). See [Note: a mean over every rank's
+    items] in :mod:`funshard.step.loss`.
+
+        >>> total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+        >>> return fs.Mean(total, (labels != -100).sum())
+    """
+
+    total: torch.Tensor
+    count: Any
+
+
+def loss_of(out: Any) -> tuple[torch.Tensor | Mean, Any]:
+    """``loss_fn``'s output as (loss or :class:`Mean`, aux), checked."""
+    if isinstance(out, Mean):
+        loss, aux = out, None
+    else:
+        loss, aux = (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    value = loss.total if isinstance(loss, Mean) else loss
+    if not isinstance(value, torch.Tensor) or value.ndim != 0 or not value.is_floating_point():
+        what = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+                if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
         raise ValueError(
-            f"train_step: loss_fn must return a floating scalar tensor (or (loss, aux)), got "
-            f"{what}; reduce it, e.g. with .mean()."
+            f"train_step: loss_fn must return a floating scalar tensor (or (loss, aux), or "
+            f"fs.Mean(total, count) with a floating scalar total), got {what}; reduce it, "
+            "e.g. with .mean() (or .sum() for a Mean's total)."
         )
+    if isinstance(loss, Mean):
+        _check_count(loss.count)
     return loss, aux
+
+
+def _check_count(count: Any) -> None:
+    if isinstance(count, torch.Tensor):
+        ok = count.ndim == 0 and not count.is_complex()
+    else:
+        ok = (isinstance(count, (int, float)) and not isinstance(count, bool)
+              and math.isfinite(count) and count >= 0)
+    if not ok:
+        what = (f"a tensor of shape {tuple(count.shape)} and dtype {count.dtype}"
+                if isinstance(count, torch.Tensor) else repr(count))
+        raise ValueError(f"train_step: fs.Mean's count must be a scalar tensor or a number "
+                         f">= 0 (how many items the total sums over), got {what}.")
+
+
+def value(loss: torch.Tensor | Mean) -> torch.Tensor:
+    """What backward starts from (before the micro-batch share and the loss scale)."""
+    return loss.total if isinstance(loss, Mean) else loss
+
+
+def share(loss: torch.Tensor | Mean, k: int) -> int:
+    """A micro-batch's divisor: a plain loss is averaged over the ``k`` micro-batches, a
+    :class:`Mean`'s total summed."""
+    return 1 if isinstance(loss, Mean) else k
+
+
+def count_of(loss: Mean, device: torch.device) -> torch.Tensor:
+    """The count as a float64 scalar on ``device`` (no host sync)."""
+    c = loss.count
+    if isinstance(c, torch.Tensor):
+        return c.detach().to(device=device, dtype=torch.float64)
+    return torch.tensor(float(c), dtype=torch.float64, device=device)
+
+
+def same_kind(first: torch.Tensor | Mean, loss: torch.Tensor | Mean, j: int) -> None:
+    """Every micro-batch returns the same kind of loss."""
+    if isinstance(first, Mean) != isinstance(loss, Mean):
+        kinds = ["fs.Mean" if isinstance(x, Mean) else "a plain loss" for x in (first, loss)]
+        raise ValueError(
+            f"train_step: loss_fn returned {kinds[0]} for micro-batch 0 and {kinds[1]} for "
+            f"micro-batch {j}; return one kind for every micro-batch (and on every rank).")
+
+
+def check_kind(means: float, count: float, world: int) -> float:
+    """After the metrics' all-reduce (every rank sees the same sums): ``means`` ranks
+    returned a :class:`Mean`, all or none of them, or the step is refused on every rank.
+    Returns the gradients' factor ``world / count`` (NaN when no item was counted)."""
+    if round(means) != world:
+        raise ValueError(
+            f"train_step: loss_fn returned fs.Mean on {round(means)} of {world} ranks and a "
+            "plain loss on the others; every rank must return the same kind (a plain loss "
+            "is a mean over the local batch, fs.Mean a mean over every rank's items).")
+    return world / count if count > 0 else math.nan
+
+
+def normalize(grads: list, factor: float) -> None:
+    """The reduced gradients (the mean over ranks of the totals' gradients) times
+    ``world / count``: the gradient of the mean over every item, in place."""
+    present = [g for g in grads if g is not None]
+    with torch.no_grad():
+        for dt in {g.dtype for g in present}:
+            torch._foreach_mul_([g for g in present if g.dtype == dt], factor)
 
 
 def check_differentiable(loss: torch.Tensor) -> None:

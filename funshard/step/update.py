@@ -20,6 +20,7 @@ from ..mesh import mesh_str
 from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
 from . import agree, scaling
+from . import loss as loss_
 from .params import ParamGroups
 
 
@@ -31,6 +32,7 @@ class Grads(NamedTuple):
     aux: list
     peaks: tuple[int, int]
     order: tuple  # per micro-batch, the groups in the order forward and backward used them
+    count: torch.Tensor | None = None  # fs.Mean's counts summed over micro-batches
 
 
 def check_trained(params: ParamGroups, grads: list) -> None:
@@ -55,21 +57,33 @@ def _empty_batch(batch: Any) -> str:
 
 def metrics_of(params: ParamGroups, out: Grads, k: int) -> tuple[dict, list]:
     """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
-    the host. The step's constant tensors (norm weights, the order's sums) are made once."""
+    the host. The step's constant tensors (norm weights, the order's sums) are made once.
+    An ``fs.Mean``'s total and count ride along: the loss is then their quotient, and the
+    norm that of the gradients :func:`~funshard.step.loss.normalize` makes."""
     present = [i for i, g in enumerate(out.grads) if g is not None]
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
     sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
     order = params.on_device(("order", out.order), torch.float64,
                              lambda: agree.order_sums(out.order))
-    both = torch.cat([torch.stack([out.loss_sum / k, sq]), order])
+    mean = out.count is not None  # fs.Mean: its total, its count, 1 (each rank says its kind)
+    kind = (torch.stack([out.count, torch.ones_like(out.count)]) if mean else
+            params.on_device("no mean", torch.float64, lambda: [0.0, 0.0]))
+    both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
+                      order])
     if not comm.skips(params.world):
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
-    loss, sq_norm, *sums = both.tolist()  # the step's one wait for the device
+    loss, sq_norm, count, means, *sums = both.tolist()  # the step's one wait for the device
     agree.check_order(sums, params, out.order)
+    factor = loss_.check_kind(means, count, params.world) if means else None
+    if factor is None:  # the mean over ranks of their means
+        loss /= params.world
+    else:  # fs.Mean: total / count; the gradients are world / count times the reduced ones
+        loss = loss / count if count > 0 else math.nan
+        sq_norm *= factor * factor
     metrics = {
-        "loss": loss / params.world,
+        "loss": loss,
         "grad_norm": math.sqrt(sq_norm) if sq_norm > 0 else 0.0 if sq_norm <= 0 else math.nan,
         "unsharded_groups_peak": out.peaks[0],
         "unsharded_bytes_peak": out.peaks[1],
@@ -77,8 +91,11 @@ def metrics_of(params: ParamGroups, out: Grads, k: int) -> tuple[dict, list]:
     }
     if any(a is not None for a in out.aux):
         metrics["aux"] = out.aux[0] if k == 1 else out.aux
+    if factor is not None:
+        metrics["count"] = count
+        if math.isfinite(factor):
+            loss_.normalize(out.grads, factor)
     return metrics, present
-
 
 
 def update(optimizer, policy, params: ParamGroups, state, out: Grads,
@@ -98,6 +115,12 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
         metrics["loss_scale"] = ls.scale
     overflow = scaling.overflowed(policy, ls, grads_finite, loss_finite)
     if not finite and not policy.skip_nonfinite and not overflow:
+        if "count" in metrics and not metrics["count"] > 0:
+            raise FloatingPointError(
+                f"train_step: fs.Mean's count, summed over every rank and micro-batch, is "
+                f"{metrics['count']} at step {state.step}: there is no item to average over "
+                "(every label masked?). The parameters and optimizer state are unchanged; "
+                "pass fs.Policy(skip_nonfinite=True) to skip such steps.")
         if not grads_finite:
             _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
         raise FloatingPointError(

@@ -1,0 +1,150 @@
+"""``fs.Mean(total, count)``: a loss averaged over every rank's and micro-batch's items
+(tokens whose label is not masked), as one process averages over the whole batch, where
+the plain per-rank mean weighs a rank's few tokens as much as another's many."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard.testing import capture, mesh
+from funshard.testing.models import GPT
+
+V, SEQ, B = 37, 8, 2  # vocabulary, sequence, rows per rank
+IGNORE = -100
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(vocab=V, dim=12, heads=2, layers=2, seq=SEQ)
+
+
+def _batch(step, world, empty=True):
+    """Every rank's rows, with a different share of masked labels per row; ``empty``: one row
+    masked whole (a micro-batch that counts nothing on its rank, with accumulate=2; the
+    plain mean's loss is NaN there)."""
+    g = torch.Generator().manual_seed(50 + step)
+    x = torch.randint(0, V, (world * B, SEQ), generator=g)
+    y = torch.randint(0, V, (world * B, SEQ), generator=g)
+    keep = torch.rand(world * B, SEQ, generator=g) < torch.linspace(0.1, 1.0, world * B)[:, None]
+    keep[:, 0] = True
+    y = torch.where(keep, y, IGNORE)
+    if empty:
+        y[1 if world == 1 else B] = IGNORE
+    return x, y
+
+
+def _loss(model, mean: bool):
+    def loss_fn(p, b):
+        logits = fs.call(model, p, b[0]).flatten(0, 1).float()
+        y = b[1].flatten()
+        if not mean:
+            return F.cross_entropy(logits, y, ignore_index=IGNORE)
+        total = F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum")
+        return fs.Mean(total, (y != IGNORE).sum())
+    return loss_fn
+
+
+def _reference(world, steps, clip, empty):
+    """One process on every rank's rows: the mean over all unmasked tokens; SGD, clipped as
+    torch clips. Per step: (loss, tokens, grad norm); and the parameters."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    for s in range(steps):
+        x, y = _batch(s, world, empty)
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        seen.append((loss.item(), int((y != IGNORE).sum()), norm.item()))
+    return seen, dict(model.named_parameters())
+
+
+def train_on_mean(spec, accumulate, raf, steps=3, clip=0.5):
+    m = mesh(spec)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for mean in (True, False):  # the plain mean on data where each micro-batch counts some
+        ref_seen, ref = _reference(world, steps, clip, empty=mean)
+        model = _model()
+        policy = fs.Policy(accumulate=accumulate, reshard_after_forward=raf, clip_norm=clip)
+        step = fs.train_step(_loss(model, mean), fs.optim.sgd(lr=0.5), policy=policy)
+        state = step.init(fs.shard(fs.params(model), m))
+        seen = []
+        for s in range(steps):
+            x, y = _batch(s, world, empty=mean)
+            state, met = step(state, (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]))
+            seen.append((met["loss"], met.get("count"), met["grad_norm"]))
+        full = fs.unshard(state.params)
+        out[mean] = (max((full[k] - v).abs().max().item() for k, v in ref.items()), seen,
+                     ref_seen)
+    return out
+
+
+@pytest.mark.parametrize("spec,accumulate,raf", [(1, 2, True), (2, 1, True), (2, 2, False),
+                                                 ("2x2", 2, True)])
+def test_mean_over_every_ranks_tokens_equals_one_process(pools, spec, accumulate, raf):
+    """Parameters, loss, token count and gradient norm (clipping active) as one process on
+    the whole batch; the plain per-rank mean on the same data is not (so the data can tell)."""
+    for out in pools.run(spec, train_on_mean, accumulate, raf):
+        err, seen, ref_seen = out[True]
+        assert err < 1e-6, err
+        for (loss, count, norm), (r_loss, r_count, r_norm) in zip(seen, ref_seen):
+            assert count == r_count and abs(loss - r_loss) < 1e-5 * r_loss, (seen, ref_seen)
+            assert abs(norm - r_norm) < 1e-5 * r_norm and r_norm > 0.5, (norm, r_norm)
+        plain_err, plain_seen, _ = out[False]
+        assert plain_err > 1e-3 and plain_seen[0][1] is None, plain_err
+
+
+def misuse(spec):
+    m = mesh(spec)
+    rank = dist.get_rank()
+    x, y = _batch(0, dist.get_world_size())
+    batch = (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+    model = _model()
+    sp = fs.shard(fs.params(model), m)
+    mean_fn, plain_fn = _loss(model, True), _loss(model, False)
+
+    def attempt(loss_fn, policy=fs.Policy(), batch=batch):
+        step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.5), policy=policy)
+        state = step.init(copy.deepcopy(sp))
+        return capture(lambda: step(state, batch)[1])
+
+    counter = {"n": 0}
+
+    def alternating(p, b):  # fs.Mean for the first micro-batch, a plain loss for the second
+        counter["n"] += 1
+        return (mean_fn if counter["n"] % 2 else plain_fn)(p, b)
+
+    masked = (batch[0], torch.full_like(batch[1], IGNORE))
+    step = fs.train_step(mean_fn, fs.optim.sgd(lr=0.5), policy=fs.Policy(skip_nonfinite=True))
+    state = step.init(copy.deepcopy(sp))
+    state, met = step(state, masked)
+    unchanged = all(torch.equal(state.params[k].to_local(), v.to_local()) for k, v in sp.items())
+    return {
+        "ranks": attempt(mean_fn if rank == 0 else plain_fn),
+        "micro": attempt(alternating, fs.Policy(accumulate=2)),
+        "nothing": attempt(mean_fn, batch=masked),
+        "skipped": (met["skipped"], met["count"], unchanged),
+        "negative": attempt(lambda p, b: fs.Mean(mean_fn(p, b).total, -1)),
+        "vector": attempt(lambda p, b: fs.Mean(mean_fn(p, b).total, torch.ones(2))),
+        "total": attempt(lambda p, b: fs.Mean(mean_fn(p, b).total.expand(2), 3)),
+    }
+
+
+def test_mean_misuse_is_refused_by_name(pools):
+    for r in pools.run(2, misuse):
+        assert r["ranks"][0] == "ValueError" and "fs.Mean on 1 of 2 ranks" in r["ranks"][1], r
+        assert r["micro"][0] == "ValueError" and "fs.Mean for micro-batch 0 and a plain loss " \
+            "for micro-batch 1" in r["micro"][1], r
+        assert r["nothing"][0] == "FloatingPointError" and "count" in r["nothing"][1] \
+            and "is 0.0 at step 0" in r["nothing"][1], r
+        assert r["skipped"] == (1, 0.0, True), r
+        for key in ("negative", "vector"):
+            assert r[key][0] == "ValueError" and "fs.Mean's count must be" in r[key][1], r
+        assert r["total"][0] == "ValueError" and "floating scalar total" in r["total"][1], r
