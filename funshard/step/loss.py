@@ -15,7 +15,9 @@ on the metrics' all-reduce (no extra collective), and the reduced gradients are 
 multiplied by ``world / count`` (the reduction took the mean over ranks): the gradient of
 ``sum(total) / sum(count)`` over every rank and micro-batch, as one process on the whole
 batch. The norm, clipping, non-finite rule and optimizer see that gradient. Every rank
-returns the same kind, or the step is refused on every rank.
+returns the same kind, or the step is refused on every rank. (In float16 the totals'
+gradients are ``count`` times a mean's: a dynamic loss scale finds its level a few skipped
+steps lower; bfloat16 and float32 have the range.)
 """
 
 from __future__ import annotations
