@@ -121,7 +121,18 @@ def _lora_llama():
                                             target_modules=["q_proj", "v_proj"]))
 
 
-BUILDERS = {"gpt2": _gpt2, "bert": _bert, "lora": _lora_llama}
+def _t5():
+    """An encoder-decoder with tied embeddings, whose first blocks hold the relative position
+    bias (unlike the others: they are blocks all the same)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=24,
+                                               num_layers=3, num_heads=2, dropout_rate=0.0,
+                                               decoder_start_token_id=0))
+
+
+BUILDERS = {"gpt2": _gpt2, "bert": _bert, "lora": _lora_llama, "t5": _t5}
 
 
 def model_parity(spec, which, raf, steps=3, per_rank=2):
@@ -163,7 +174,7 @@ def model_parity(spec, which, raf, steps=3, per_rank=2):
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-@pytest.mark.parametrize("which", ["gpt2", "bert", "lora"])
+@pytest.mark.parametrize("which", ["gpt2", "bert", "lora", "t5"])
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_real_models_train_as_one_process(pools, spec, which, raf):
     for rank, r in enumerate(pools.run(spec, model_parity, which, raf)):
@@ -171,7 +182,8 @@ def test_real_models_train_as_one_process(pools, spec, which, raf):
         assert r["groups"][1:] == {
             "gpt2": ["transformer.h.0", "transformer.h.1"],
             "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
-            "lora": [f"base_model.model.model.layers.{i}" for i in range(3)]}[which], r
+            "lora": [f"base_model.model.model.layers.{i}" for i in range(3)],
+            "t5": [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(3)]}[which], r
         # AdamW keeps two moments of the trainable leaves only (LoRA: of the adapters)
         assert r["opt_state_x_trainable"] == 2.0, r
 

@@ -137,10 +137,20 @@ def test_default_groups_are_the_repeated_blocks():
     assert block_groups(moe, [(4, 4)] * 16) == ["layers.0"] * 8 + ["layers.1"] * 8
     t5 = [f"enc.layer.{i}.w" for i in range(3)] + [f"dec.layer.{i}.w" for i in range(3)]
     assert block_groups(t5, [(4, 4)] * 6) == [n.rsplit(".", 1)[0] for n in t5]
-    # a plain Sequential of different layers is one group; a block unlike the others is rest
+    # a plain Sequential of different layers is one group; a block unlike the others in a
+    # stack of blocks is a block too (a last odd layer; T5's first block, with the relative
+    # position bias; dense layers before mixture-of-experts ones)
     assert block_groups(["0.w", "0.b", "2.w", "2.b"], [(3, 5), (3,), (2, 3), (2,)]) == [""] * 4
     odd = ["h.0.w", "h.1.w", "h.2.w"]
-    assert block_groups(odd, [(4, 4), (4, 4), (8, 4)]) == ["h.0", "h.1", ""]
+    assert block_groups(odd, [(4, 4), (4, 4), (8, 4)]) == ["h.0", "h.1", "h.2"]
+    t5 = ["shared.w", "enc.block.0.bias.w"] + [f"{s}.block.{i}.w" for s in ("enc", "dec")
+                                               for i in range(3)]
+    assert block_groups(t5, [(4, 4)] * 8) == ["", "enc.block.0"] + [
+        n.rsplit(".", 1)[0] for n in t5[2:]]
+    dense_then_moe = ([f"layers.{i}.mlp.w" for i in range(2)]
+                      + [f"layers.{i}.experts.{e}.w" for i in range(2, 6) for e in range(4)])
+    assert block_groups(dense_then_moe, [(4, 16)] * 2 + [(4, 4)] * 16) == [
+        n.split(".experts")[0].split(".mlp")[0] for n in dense_then_moe]
 
 
 def test_list_groups_of_real_models():

@@ -34,12 +34,14 @@ def block_groups(names: Sequence[str], shapes: Sequence[tuple]) -> list[str]:
 
     A container's children are its numbered FQN components (``layers.3``, ``h.11``,
     ``encoder.layer.0``); two are identical when their leaves have the same relative names
-    and shapes. Containers with at least two identical children, not inside another such
-    container's child, are candidates; the blocks are the candidates' largest classes of
-    identical children with the longest run (ties: those holding at least half the
-    largest's elements, so an encoder and a decoder stack both count, a two-layer head
-    beside two blocks does not). A ``Sequential`` inside a block stays in its block; one
-    that is not a repeated block (``head.0``, ``head.2``) goes to the rest.
+    and shapes. A container with at least two identical children, not inside another such
+    container's child, is a stack, and each of its children a block, the ones unlike the
+    rest too (T5's first block, which holds the relative position bias; dense layers before
+    mixture-of-experts ones), as FSDP wraps each layer. The blocks are those of the stacks
+    with the most children (ties: those holding at least half the largest's elements, so an
+    encoder and a decoder stack both count, a two-layer head beside two blocks does not).
+    A ``Sequential`` inside a block stays in its block; one that is not a stack
+    (``head.0``, ``head.2``) goes to the rest.
 
         >>> block_groups(["wte.w", "layers.0.w", "layers.1.w", "mlp.0.w", "mlp.2.w"],
         ...              [(9, 4), (4, 4), (4, 4), (8, 4), (4, 8)])
@@ -57,9 +59,9 @@ def block_groups(names: Sequence[str], shapes: Sequence[tuple]) -> list[str]:
         classes: dict[tuple, list[str]] = {}
         for child, items in children.items():
             classes.setdefault(tuple(sorted(items)), []).append(child)
-        key, best = max(classes.items(), key=lambda kv: len(kv[1]))
-        if len(best) >= 2:
-            found[prefix] = (set(best), len(best) * sum(math.prod(s) for _, s in key))
+        if max(len(c) for c in classes.values()) >= 2:  # a stack: each child is a block
+            found[prefix] = (set(children), sum(math.prod(s) for items in children.values()
+                                                for _, s in items))
 
     def inside_block(prefix: str) -> bool:
         parts = prefix.split(".")
@@ -76,7 +78,7 @@ def block_groups(names: Sequence[str], shapes: Sequence[tuple]) -> list[str]:
     for n in names:
         parts, g = n.split("."), ""
         for j, part in enumerate(parts[:-1]):
-            if part in blocks.get(".".join(parts[:j]), ()):
+            if part.isdigit() and ".".join(parts[:j]) in blocks:
                 g = ".".join(parts[: j + 1])
                 break
         out.append(g)
