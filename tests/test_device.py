@@ -9,6 +9,7 @@ accumulator beside CUDA tensors fails on a GPU (the first CUDA run failed exactl
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import funshard as fs
 from funshard.testing import mesh
@@ -25,6 +26,8 @@ POLICIES = {
     "float16_scaled": {"param_dtype": torch.float16, "reduce_dtype": torch.float32,
                        "loss_scale": "dynamic"},
     "checkpoint": {"checkpoint": True},  # activation checkpointing: the recompute's gathers
+    # fs.Mean with a number for its count: the step puts it on the device itself
+    "mean_accumulate": {"_mean": True, "accumulate": 2},
 }
 OPTIMIZERS = {
     "adamw": lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1),
@@ -46,15 +49,25 @@ def _model_and_batch(world, per_rank=2, seed=0):
                    y[rank * per_rank:(rank + 1) * per_rank])
 
 
+def _mean_loss(model):
+    def loss_fn(params, batch):
+        logits = fs.call(model, params, batch[0])
+        total = F.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), reduction="sum")
+        return fs.Mean(total, batch[1].numel())
+    return loss_fn
+
+
 def step_on_meta_default(spec, policy_kwargs, optimizer):
     """Two steps with everything funshard makes on the default device, which is meta; the
     same two steps with the default device left alone; the losses must agree."""
     m = mesh(spec)
     out = []
+    kwargs = {k: v for k, v in policy_kwargs.items() if k != "_mean"}
     for default in ("meta", None):
         model, batch = _model_and_batch(dist.get_world_size())
         opt = OPTIMIZERS[optimizer]()
-        step = fs.train_step(gpt_loss(model), opt, policy=fs.Policy(**policy_kwargs))
+        loss_fn = _mean_loss(model) if policy_kwargs.get("_mean") else gpt_loss(model)
+        step = fs.train_step(loss_fn, opt, policy=fs.Policy(**kwargs))
         params = fs.params(model)
         with torch.device(default) if default else _nothing():
             state = step.init(fs.shard(params, m))

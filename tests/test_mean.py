@@ -10,16 +10,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import funshard as fs
-from funshard.testing import capture, mesh
+from funshard.testing import DEVICE, capture, device, mesh
 from funshard.testing.models import GPT
 
 V, SEQ, B = 37, 8, 2  # vocabulary, sequence, rows per rank
 IGNORE = -100
+TOL = 1e-6 if DEVICE == "cpu" else 1e-4  # CUDA kernels may sum in another order
 
 
 def _model():
     torch.manual_seed(0)
-    return GPT(vocab=V, dim=12, heads=2, layers=2, seq=SEQ)
+    return GPT(vocab=V, dim=12, heads=2, layers=2, seq=SEQ).to(device())
 
 
 def _batch(step, world, empty=True):
@@ -34,7 +35,7 @@ def _batch(step, world, empty=True):
     y = torch.where(keep, y, IGNORE)
     if empty:
         y[1 if world == 1 else B] = IGNORE
-    return x, y
+    return x.to(device()), y.to(device())
 
 
 def _loss(model, mean: bool):
@@ -86,6 +87,7 @@ def train_on_mean(spec, accumulate, raf, steps=3, clip=0.5):
     return out
 
 
+@pytest.mark.lane
 @pytest.mark.parametrize("spec,accumulate,raf", [(1, 2, True), (2, 1, True), (2, 2, False),
                                                  ("2x2", 2, True)])
 def test_mean_over_every_ranks_tokens_equals_one_process(pools, spec, accumulate, raf):
@@ -93,10 +95,10 @@ def test_mean_over_every_ranks_tokens_equals_one_process(pools, spec, accumulate
     the whole batch; the plain per-rank mean on the same data is not (so the data can tell)."""
     for out in pools.run(spec, train_on_mean, accumulate, raf):
         err, seen, ref_seen = out[True]
-        assert err < 1e-6, err
+        assert err < TOL, err
         for (loss, count, norm), (r_loss, r_count, r_norm) in zip(seen, ref_seen):
-            assert count == r_count and abs(loss - r_loss) < 1e-5 * r_loss, (seen, ref_seen)
-            assert abs(norm - r_norm) < 1e-5 * r_norm and r_norm > 0.5, (norm, r_norm)
+            assert count == r_count and abs(loss - r_loss) < 10 * TOL * r_loss, (seen, ref_seen)
+            assert abs(norm - r_norm) < 10 * TOL * r_norm and r_norm > 0.5, (norm, r_norm)
         plain_err, plain_seen, _ = out[False]
         assert plain_err > 1e-3 and plain_seen[0][1] is None, plain_err
 
