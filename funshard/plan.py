@@ -31,8 +31,9 @@ from .layout import Layout, gather_bytes
 from .step import Policy
 from .step.schedule import Schedule, group_names, make_schedule, partition
 
-# the step's one all-reduce, float64: loss, squared grad norm, and the gather order's check
-_METRICS_BYTES = 32
+# the step's one all-reduce, float64: loss, squared grad norm, fs.Mean's count and kind, the
+# local batch's rows and their square, and the gather order's check
+_METRICS_BYTES = 64
 
 
 class Traffic(NamedTuple):

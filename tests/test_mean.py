@@ -150,3 +150,47 @@ def test_mean_misuse_is_refused_by_name(pools):
         for key in ("negative", "vector"):
             assert r[key][0] == "ValueError" and "fs.Mean's count must be" in r[key][1], r
         assert r["total"][0] == "ValueError" and "floating scalar total" in r["total"][1], r
+
+
+def uneven_batches(spec):
+    """Rank 1 has a row more than rank 0: the plain mean warns on every rank, once (not
+    when the rows agree); fs.Mean over the same rows equals one process on all of them."""
+    import warnings
+
+    m = mesh(spec)
+    rank = dist.get_rank()
+    x, y = _batch(0, 2, empty=False)
+    x, y = torch.cat([x, x[:1]]), torch.cat([y, y[:1]])  # 5 rows: rank 0 gets 2, rank 1 3
+    mine = slice(0, 2) if rank == 0 else slice(2, 5)
+    out = {}
+    for name, mean, rows in (("plain_even", False, slice(rank * 2, rank * 2 + 2)),
+                             ("plain_uneven", False, mine), ("mean_uneven", True, mine)):
+        model = _model()
+        step = fs.train_step(_loss(model, mean), fs.optim.sgd(lr=0.5))
+        state = step.init(fs.shard(fs.params(model), m))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                state, _ = step(state, (x[rows], y[rows]))
+        out[name] = [str(w.message) for w in seen if "differ in size" in str(w.message)]
+        if mean:
+            ref = _model()
+            F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten(),
+                            ignore_index=IGNORE).backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p -= 0.5 * p.grad
+            first = fs.train_step(_loss(_model(), True), fs.optim.sgd(lr=0.5))
+            one = first.init(fs.shard(fs.params(_model()), m))
+            one, _ = first(one, (x[mine], y[mine]))
+            full = fs.unshard(one.params)
+            out["mean_err"] = max((full[k] - v).abs().max().item()
+                                  for k, v in ref.named_parameters())
+    return out
+
+
+def test_uneven_local_batches_warn_and_fs_mean_is_exact(pools):
+    for r in pools.run(2, uneven_batches):
+        assert r["plain_even"] == [] and r["mean_uneven"] == [], r
+        assert len(r["plain_uneven"]) == 2 and "5 rows over 2 ranks" in r["plain_uneven"][0], r
+        assert r["mean_err"] < TOL, r

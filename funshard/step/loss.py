@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
+
+from .. import pytree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,26 @@ def check_kind(means: float, count: float, world: int) -> float:
             "plain loss on the others; every rank must return the same kind (a plain loss "
             "is a mean over the local batch, fs.Mean a mean over every rank's items).")
     return world / count if count > 0 else math.nan
+
+
+def rows_of(batch: Any) -> int:
+    """The local batch's rows: dim 0 of its first tensor with one (0 when none has)."""
+    for x in pytree.flatten(batch)[0]:
+        if isinstance(x, torch.Tensor) and x.ndim:
+            return x.shape[0]
+    return 0
+
+
+def check_rows(rows: float, rows_sq: float, world: int) -> None:
+    """After the metrics' all-reduce of each rank's rows and their square: warn (on every
+    rank) when the ranks' plain-mean losses averaged over batches of different sizes."""
+    if world > 1 and rows_sq * world != rows * rows:  # integers: exact in float64
+        warnings.warn(
+            f"train_step: the ranks' local batches differ in size along dim 0 ({rows:.0f} rows "
+            f"over {world} ranks): the step's gradient is then the mean of the ranks' "
+            "per-batch means, not the mean over the whole batch that one process computes. "
+            "Give every rank as many rows (drop_last=True), or return fs.Mean(total, count) "
+            "from loss_fn for the mean over every rank's items.")
 
 
 def normalize(grads: list, factor: float) -> None:

@@ -55,28 +55,36 @@ def _empty_batch(batch: Any) -> str:
     return ""
 
 
-def metrics_of(params: ParamGroups, out: Grads, k: int) -> tuple[dict, list]:
+def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[dict, list]:
     """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
     the host. The step's constant tensors (norm weights, the order's sums) are made once.
     An ``fs.Mean``'s total and count ride along: the loss is then their quotient, and the
-    norm that of the gradients :func:`~funshard.step.loss.normalize` makes."""
+    norm that of the gradients :func:`~funshard.step.loss.normalize` makes; a plain loss's
+    local batch ``rows``, to see that every rank averaged over as many
+    (:func:`~funshard.step.loss.check_rows`)."""
     present = [i for i, g in enumerate(out.grads) if g is not None]
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
     sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
     order = params.on_device(("order", out.order), torch.float64,
                              lambda: agree.order_sums(out.order))
-    mean = out.count is not None  # fs.Mean: its total, its count, 1 (each rank says its kind)
-    kind = (torch.stack([out.count, torch.ones_like(out.count)]) if mean else
-            params.on_device("no mean", torch.float64, lambda: [0.0, 0.0]))
+    mean = out.count is not None  # fs.Mean: its count, 1 (each rank says its kind); else rows
+    if mean:
+        zero = torch.zeros_like(out.count)
+        kind = torch.stack([out.count, torch.ones_like(out.count), zero, zero])
+    else:
+        kind = params.on_device(("rows", rows), torch.float64,
+                                lambda: [0.0, 0.0, rows, rows * rows])
     both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
                       order])
     if not comm.skips(params.world):
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
-    loss, sq_norm, count, means, *sums = both.tolist()  # the step's one wait for the device
+    loss, sq_norm, count, means, n, n2, *sums = both.tolist()  # the step's one device wait
     agree.check_order(sums, params, out.order)
     factor = loss_.check_kind(means, count, params.world) if means else None
+    if not means:
+        loss_.check_rows(n, n2, params.world)
     if factor is None:  # the mean over ranks of their means
         loss /= params.world
     else:  # fs.Mean: total / count; the gradients are world / count times the reduced ones
@@ -107,7 +115,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     if ls is not None:
         out = out._replace(grads=scaling.unscale(out.grads,
                                                  [lay.dtype for lay in params.layouts], ls))
-    metrics, present = metrics_of(params, out, policy.accumulate)
+    metrics, present = metrics_of(params, out, policy.accumulate, loss_.rows_of(batch))
     grads, norm = out.grads, metrics["grad_norm"]
     grads_finite, loss_finite = math.isfinite(norm), math.isfinite(metrics["loss"])
     finite = grads_finite and loss_finite
