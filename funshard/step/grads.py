@@ -65,14 +65,21 @@ class Reductions:
         """:meth:`put_all` on a world of one with one micro-batch: the group's reduced
         gradients are its gradients, in the reduce dtype and then the parameters' (as
         :class:`comm.GradBucket` keeps them there), with no bucket object and no per-leaf
-        checks (autograd gave these gradients their leaves' shapes). Measured 2026-11-24
-        (host-bound GPT 8 x 64, float32, world 1, this CPU): 47 -> 33 us per group handed
-        over."""
+        checks (autograd gave these gradients their leaves' shapes), and no conversion
+        where the dtypes agree. Measured 2026-11-24 (host-bound GPT 8 x 64, float32, world
+        1, this CPU): 47 -> 33 us per group handed over; skipping the no-op conversions,
+        0.976x the step (best of 20 rounds, in one process)."""
         p, idx = self.params, group.idx
         out = group.grads = [None] * len(idx)
-        rdt = self.policy.reduce_dtype
+        rdt, dtypes, layouts = self.policy.reduce_dtype, p.dtypes, p.layouts
         for k, g in grads:
-            out[k] = dense(g).to(rdt or p.dtypes[idx[k]]).to(p.layouts[idx[k]].dtype)
+            i = idx[k]
+            if g.layout is not torch.strided:
+                g = dense(g)
+            rd, own = rdt or dtypes[i], layouts[i].dtype
+            if g.dtype is not rd:
+                g = g.to(rd)
+            out[k] = g if g.dtype is own else g.to(own)
 
     def launch(self, group) -> None:
         """Start reducing the group's bucket (after the step's last micro-batch)."""
