@@ -245,6 +245,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             loss_.same_kind(first, loss, j)
             call.check_found(run)
             loss_.check_differentiable(loss_.value(loss))
+            if not params.linted:  # the first step of this tree: once
+                loss_.check_reaches_only_params(run, loss_.value(loss))
             run.checkpointing = recompute.checkpointed(run)
             call.check_recomputable(run)
             run.end_forward()
@@ -268,6 +270,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                 grads[i] = g.grads[k2]
     peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
     order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
+    params.linted = True
     for r in runs:
         r.release()
     return update.Grads(grads, loss_sum, aux_all, peaks, order, count)

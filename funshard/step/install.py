@@ -59,7 +59,7 @@ class Plan:
         # modules by weak reference: the plan is the value of a weak mapping keyed by module
         self.shape = [(weakref.ref(m), tuple(weakref.ref(c) for c in m._modules.values()),
                        len(m._parameters), len(m._buffers)) for m in mods.values()]
-        self.held = [(where, key, t) for where, key, t in places.values()]
+        self.held = [(where, key, t, full) for full, (where, key, t) in places.items()]
 
     def valid(self) -> bool:
         for ref, children, n_params, n_buffers in self.shape:
@@ -68,7 +68,7 @@ class Plan:
                     or len(m._modules) != len(children)
                     or any(a is not b() for a, b in zip(m._modules.values(), children))):
                 return False
-        return all(where.get(key) is t for where, key, t in self.held)
+        return all(where.get(key) is t for where, key, t, _ in self.held)
 
 
 def plan_for(module: torch.nn.Module, names: tuple) -> Plan:
@@ -77,6 +77,13 @@ def plan_for(module: torch.nn.Module, names: tuple) -> Plan:
     if plan is None or not plan.valid():
         plan = plans[names] = Plan(module, names)
     return plan
+
+
+def own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's own parameters and buffers by name, as its plans found them (while an
+    installation is in place the module holds the installed tensors)."""
+    return [(full, t) for plan in _PLANS.get(module, {}).values()
+            for _, _, t, full in plan.held]
 
 
 def install(module: torch.nn.Module, tensors: dict):

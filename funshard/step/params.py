@@ -58,6 +58,7 @@ class ParamGroups:
         self.group_bytes = [sum(self.leaf_bytes(i) for i in idx if layouts[i].sharded)
                             for idx in self.members]
         self.schedule: Schedule | None = None  # learned on the first step
+        self.linted = False  # a step's loss was seen to reach only these parameters
         self._consts: dict = {}  # see on_device
         self.leaves = Leaves()  # the direct path's (see .direct)
         if mesh.size() != dist.get_world_size():
