@@ -1,6 +1,8 @@
 """What ``loss_fn`` returns: a floating scalar loss (the mean over the local batch), or
 ``fs.Mean(total, count)`` (a mean over every rank's items), either alone or as
-``(loss, aux)``; the loss must reach a trainable parameter.
+``(loss, aux)``. The loss must reach a trainable parameter, and no ``nn.Parameter`` the
+step was not given; ranks whose plain means averaged over batches of different sizes are
+warned.
 
 [Note: a mean over every rank's items]
 
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from .. import pytree
+from .install import own_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +193,6 @@ def check_reaches_only_params(run, loss: torch.Tensor) -> None:
 
 def _module_name(run, t: torch.Tensor) -> str:
     """``t``'s name in a module ``fs.call`` installed parameters into, if it is one's own."""
-    from .install import own_tensors
-
     for module, _ in run.installed:
         for name, own in own_tensors(module):
             if own is t:
