@@ -194,6 +194,9 @@ def disagreeing_init(spec, what):
         policy = {"param_dtype": torch.bfloat16}
     if what == "groups" and rank == 1:
         policy = {"groups": lambda n: "all"}
+    if what == "keep_dtype":  # rank 1 keeps another leaf in its own dtype
+        policy = {"param_dtype": torch.bfloat16,
+                  "keep_dtype": (lambda n: n == "inp.bias") if rank else (lambda n: False)}
     if what == "replicated":  # a 0-d leaf is replicated on every rank
         params = {**params, "scale": torch.tensor(float(rank))}
     step = fs.train_step(mse_loss(model), fs.optim.sgd(lr=0.1), policy=fs.Policy(**policy))
@@ -205,6 +208,10 @@ DISAGREE = {
     "policy": ("2", "ranks disagree on Policy.param_dtype: rank 0 has None, rank 1 has "
                     "torch.bfloat16"),
     "groups": ("2", "rank 1 has shape (7, 5), torch.float32, trainable, group 'all'"),
+    "keep_dtype": ("2", "ranks disagree on parameter 'inp.bias': rank 0 has shape (7,), "
+                        "torch.float32, trainable, group '', computes in torch.bfloat16, rank 1 "
+                        "has shape (7,), torch.float32, trainable, group '', computes in "
+                        "torch.float32"),
     "unseeded": ("2x2", "differs between rank 0 and rank 2 (the same shard on two replicas"),
     "replicated": ("2", "parameter 'scale' (shape ()) differs between rank 0 and rank 1 "
                         "(a replicated parameter"),
