@@ -96,11 +96,12 @@ def share(loss: torch.Tensor | Mean, k: int) -> int:
 
 
 def count_of(loss: Mean, device: torch.device) -> torch.Tensor:
-    """The count as a float64 scalar on ``device`` (no host sync)."""
+    """The count as a float64 scalar on ``device``, with no host sync (a number is filled
+    in on the device: a copy from pageable host memory would wait for the GPU's stream)."""
     c = loss.count
     if isinstance(c, torch.Tensor):
         return c.detach().to(device=device, dtype=torch.float64)
-    return torch.tensor(float(c), dtype=torch.float64, device=device)
+    return torch.full((), float(c), dtype=torch.float64, device=device)
 
 
 def same_kind(first: torch.Tensor | Mean, loss: torch.Tensor | Mean, j: int) -> None:
