@@ -17,9 +17,13 @@ on the metrics' all-reduce (no extra collective), and the reduced gradients are 
 multiplied by ``world / count`` (the reduction took the mean over ranks): the gradient of
 ``sum(total) / sum(count)`` over every rank and micro-batch, as one process on the whole
 batch. The norm, clipping, non-finite rule and optimizer see that gradient. Every rank
-returns the same kind, or the step is refused on every rank. (In float16 the totals'
-gradients are ``count`` times a mean's: a dynamic loss scale finds its level a few skipped
-steps lower; bfloat16 and float32 have the range.)
+returns the same kind, or the step is refused on every rank.
+
+In float16 the totals' gradients are ``count`` times a mean's: a dynamic loss scale finds
+its level about log2(count) skipped steps lower (measured: 9 skipped steps for 512 tokens,
+then the plain mean's losses). ``fs.Mean(total / n, count / n)``, with ``n`` the nominal
+items per micro-batch (one number on every rank), is the same mean with mean-sized
+gradients. bfloat16 and float32 have the range.
 """
 
 from __future__ import annotations
