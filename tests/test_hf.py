@@ -132,7 +132,18 @@ def _t5():
                                                decoder_start_token_id=0))
 
 
-BUILDERS = {"gpt2": _gpt2, "bert": _bert, "lora": _lora_llama, "t5": _t5}
+def _mixtral():
+    """Mixture of experts: each token routed to 2 of 4 experts, by the data on each rank."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0))
+
+
+BUILDERS = {"gpt2": _gpt2, "bert": _bert, "lora": _lora_llama, "t5": _t5, "mixtral": _mixtral}
 
 
 def model_parity(spec, which, raf, steps=3, per_rank=2):
@@ -174,7 +185,7 @@ def model_parity(spec, which, raf, steps=3, per_rank=2):
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-@pytest.mark.parametrize("which", ["gpt2", "bert", "lora", "t5"])
+@pytest.mark.parametrize("which", ["gpt2", "bert", "lora", "t5", "mixtral"])
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_real_models_train_as_one_process(pools, spec, which, raf):
     for rank, r in enumerate(pools.run(spec, model_parity, which, raf)):
@@ -183,7 +194,8 @@ def test_real_models_train_as_one_process(pools, spec, which, raf):
             "gpt2": ["transformer.h.0", "transformer.h.1"],
             "bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
             "lora": [f"base_model.model.model.layers.{i}" for i in range(3)],
-            "t5": [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(3)]}[which], r
+            "t5": [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(3)],
+            "mixtral": ["model.layers.0", "model.layers.1"]}[which], r
         # AdamW keeps two moments of the trainable leaves only (LoRA: of the adapters)
         assert r["opt_state_x_trainable"] == 2.0, r
 
