@@ -13,7 +13,7 @@
 - :mod:`.buffers`: buffers in the state and their cross-rank rules; :mod:`.scaling`: loss
   scaling for float16 (LossScale);
 - :mod:`.grads`: gradient buckets and reductions; :mod:`.run`: one micro-batch's driver;
-  :mod:`.loss`: what loss_fn returns.
+  :mod:`.loss`: what loss_fn returns; :mod:`.batches`: micro-batches.
 """
 
 from .api import Policy, TrainState, TrainStep, train_step

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm, pytree
 from ..layout import check_float_dtype, compute_dtype
 from ..optim import clip as optim_clip
-from . import agree, call, lazy, recompute, scaling, update
+from . import agree, batches, call, lazy, recompute, scaling, update
 from . import buffers as buffers_
 from . import loss as loss_
 from . import direct as direct_
@@ -199,28 +199,12 @@ class TrainStep(NamedTuple):
         return self.apply(state, batch)
 
 
-def _split_batch(batch: Any, k: int) -> list[Any]:
-    if k == 1:
-        return [batch]
-    paths, leaves, spec = pytree.flatten_with_path(batch)
-    parts = []
-    for p, x in zip(paths, leaves):
-        if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] % k:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"train_step: batch[{pytree.fqn(p)!r}] of shape {shape} does not split into "
-                f"accumulate={k} micro-batches along dim 0; use a batch size divisible by {k}."
-            )
-        parts.append(x.chunk(k))
-    return [pytree.unflatten(spec, [c[j] for c in parts]) for j in range(k)]
-
-
 def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
                    batch: Any, bufs: Any, direct: bool, scale=None) -> update.Grads:
     """Forward and backward of every micro-batch; the reduced gradients of the last.
     ``direct``: ``shards`` are the leaves ``loss_fn`` gets (see [Note: the direct path]);
     ``scale``: the state's :class:`~.scaling.LossScale` (None: none)."""
-    micro = _split_batch(batch, policy.accumulate)
+    micro = batches.split(batch, policy.accumulate)
     k = len(micro)
     buckets: dict = {}  # gradients summed over micro-batches, per group
     record = params.schedule is None
