@@ -15,8 +15,8 @@ from .pytree import buffers, params
 from .reduce import reduce_grads
 from .shard import reshard, shard, unshard
 from .state_dict import load_state_dict, state_dict
-from .step import (EvalStep, LossScale, Mean, Policy, call, TrainState, TrainStep, eval_step,
-                   list_groups, train_step)
+from .step import (EvalStep, LossScale, Mean, MicroBatches, Policy, call, TrainState,
+                   TrainStep, eval_step, list_groups, train_step)
 
 __all__ = [
     "__version__",
@@ -24,6 +24,7 @@ __all__ = [
     "EvalStep",
     "LossScale",
     "Mean",
+    "MicroBatches",
     "PeerLost",
     "Policy",
     "RankFailed",

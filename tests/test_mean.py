@@ -194,3 +194,66 @@ def test_uneven_local_batches_warn_and_fs_mean_is_exact(pools):
         assert r["plain_even"] == [] and r["mean_uneven"] == [], r
         assert len(r["plain_uneven"]) == 2 and "5 rows over 2 ranks" in r["plain_uneven"][0], r
         assert r["mean_err"] < TOL, r
+
+
+def _ragged(world):
+    """Per rank, two micro-batches of their own shapes (rows x length), some labels masked."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [[(2, 8), (1, 5)], [(1, 8), (3, 6)], [(2, 3), (2, 7)], [(1, 4), (1, 8)]]
+    out = []
+    for r in range(world):
+        parts = []
+        for rows, length in shapes[r]:
+            x = torch.randint(0, V, (rows, length), generator=g)
+            y = torch.randint(0, V, (rows, length), generator=g)
+            y[torch.rand(rows, length, generator=g) < 0.3] = IGNORE
+            parts.append((x.to(device()), y.to(device())))
+        out.append(parts)
+    return out
+
+
+def ragged_micro_batches(spec, steps=2):
+    """fs.MicroBatches of different lengths with fs.Mean: one process on every token; a plain
+    loss over them warns; a wrong number of micro-batches is refused by name."""
+    import warnings
+
+    m = mesh(spec)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = _ragged(world)
+    model = _model()
+    step = fs.train_step(_loss(model, True), fs.optim.sgd(lr=0.5),
+                         policy=fs.Policy(accumulate=2))
+    state = step.init(fs.shard(fs.params(model), m))
+    for _ in range(steps):
+        state, met = step(state, fs.MicroBatches(data[rank]))
+    ref = _model()
+    for _ in range(steps):
+        parts = [p for r in data for p in r]
+        total = sum(F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten(),
+                                    ignore_index=IGNORE, reduction="sum") for x, y in parts)
+        count = sum(int((y != IGNORE).sum()) for _, y in parts)
+        (total / count).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.5 * p.grad
+                p.grad = None
+    full = fs.unshard(state.params)
+    err = max((full[k] - v).abs().max().item() for k, v in ref.named_parameters())
+    plain = fs.train_step(_loss(_model(), False), fs.optim.sgd(lr=0.5),
+                          policy=fs.Policy(accumulate=2))
+    ps = plain.init(fs.shard(fs.params(_model()), m))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ps, _ = plain(ps, fs.MicroBatches(data[rank]))
+    warned = [str(w.message) for w in seen if "micro-batches differ in size" in str(w.message)]
+    wrong = capture(lambda: plain(ps, fs.MicroBatches(data[rank][:1])))
+    return err, met["count"], count, warned, wrong
+
+
+@pytest.mark.parametrize("spec", [1, 2])
+def test_ragged_micro_batches_with_fs_mean_equal_one_process(pools, spec):
+    for err, count, ref_count, warned, wrong in pools.run(spec, ragged_micro_batches):
+        assert err < TOL and count == ref_count, (err, count, ref_count)
+        assert len(warned) == 1, warned
+        assert wrong[0] == "ValueError" and "holds 1 micro-batches and Policy(accumulate=2)" \
+            in wrong[1], wrong

@@ -17,6 +17,7 @@
 """
 
 from .api import Policy, TrainState, TrainStep, train_step
+from .batches import MicroBatches
 from .call import call
 from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
@@ -36,6 +37,7 @@ __all__ = [
     "IllegalTransition",
     "LossScale",
     "Mean",
+    "MicroBatches",
     "ParamGroups",
     "Policy",
     "Run",

@@ -255,6 +255,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
     order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     params.linted = True
+    if not isinstance(first, loss_.Mean):
+        batches.check_even(batch)
     for r in runs:
         r.release()
     return update.Grads(grads, loss_sum, aux_all, peaks, order, count)

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from .. import pytree
 from .install import own_tensors
 
 
@@ -127,14 +126,6 @@ def check_kind(means: float, count: float, world: int) -> float:
             "plain loss on the others; every rank must return the same kind (a plain loss "
             "is a mean over the local batch, fs.Mean a mean over every rank's items).")
     return world / count if count > 0 else math.nan
-
-
-def rows_of(batch: Any) -> int:
-    """The local batch's rows: dim 0 of its first tensor with one (0 when none has)."""
-    for x in pytree.flatten(batch)[0]:
-        if isinstance(x, torch.Tensor) and x.ndim:
-            return x.shape[0]
-    return 0
 
 
 def check_rows(rows: float, rows_sq: float, world: int) -> None:

@@ -19,7 +19,7 @@ from .. import comm, pytree
 from ..mesh import mesh_str
 from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
-from . import agree, scaling
+from . import agree, batches, scaling
 from . import loss as loss_
 from .params import ParamGroups
 
@@ -47,6 +47,8 @@ def check_trained(params: ParamGroups, grads: list) -> None:
 
 def _empty_batch(batch: Any) -> str:
     """'' or a note naming this rank's first empty batch leaf."""
+    if isinstance(batch, batches.MicroBatches):
+        batch = list(batch.parts)
     paths, leaves, _ = pytree.flatten_with_path(batch)
     for p, x in zip(paths, leaves):
         if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == 0:
@@ -115,7 +117,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     if ls is not None:
         out = out._replace(grads=scaling.unscale(out.grads,
                                                  [lay.dtype for lay in params.layouts], ls))
-    metrics, present = metrics_of(params, out, policy.accumulate, loss_.rows_of(batch))
+    metrics, present = metrics_of(params, out, policy.accumulate, batches.rows(batch))
     grads, norm = out.grads, metrics["grad_norm"]
     grads_finite, loss_finite = math.isfinite(norm), math.isfinite(metrics["loss"])
     finite = grads_finite and loss_finite
