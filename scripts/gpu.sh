@@ -11,17 +11,25 @@
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh demo      # the demo on one GPU, briefly
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh all       # every stage, in that order
 #
-# $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA, pytest, hypothesis); optree
-# too, or its wheel in .whl/ (pip download --python-version of that interpreter).
+# $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA). What it lacks of optree,
+# pytest and hypothesis comes from wheels in .whl/ (carried; see README, "Running on GPUs"):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 -d .whl optree pytest pluggy \
+#     iniconfig packaging hypothesis attrs sortedcontainers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${FUNSHARD_PY:?set FUNSHARD_PY to the python of the GPU machine}"
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# a GPU machine with no package index: optree from a carried wheel folder (.whl/), if needed
-if ! "$PY" -c 'import optree' 2>/dev/null && ls .whl/optree-*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/funshard-site .whl/optree-*.whl
+# a GPU machine with no package index: what it lacks from a carried wheel folder (.whl/)
+missing=""
+for m in optree pytest hypothesis; do
+  "$PY" -c "import $m" 2>/dev/null || missing="$missing $m"
+done
+if [ -n "$missing" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  echo "gpu.sh: installing the carried wheels (missing:$missing)"
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/funshard-site .whl/*.whl
   export PYTHONPATH="/tmp/funshard-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
