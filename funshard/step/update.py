@@ -74,9 +74,10 @@ def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[
     if mean:
         zero = torch.zeros_like(out.count)
         kind = torch.stack([out.count, torch.ones_like(out.count), zero, zero])
-    else:
-        kind = params.on_device(("rows", rows), torch.float64,
-                                lambda: [0.0, 0.0, rows, rows * rows])
+    else:  # no copy from the host per step (rows may change from step to step)
+        at_rows, at_sq = params.on_device("rows", torch.float64,
+                                          lambda: [[0, 0, 1, 0], [0, 0, 0, 1]])
+        kind = at_rows * float(rows) + at_sq * float(rows * rows)
     both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
                       order])
     if not comm.skips(params.world):
