@@ -102,7 +102,10 @@ def compiled_llama(spec, steps=3, per_rank=2):
 
 def test_compiled_llama_trains_as_one_process(pools):
     for err, breaks, groups in pools.run(2, compiled_llama, timeout=300):
-        assert err < 1e-5 and 0 < breaks[0] <= 2 * groups and breaks[1:] == [0, 0], (
+        # a few breaks per group on the first step, not one per op (about 30 ops touch a
+        # parameter), none later. How many depends on transformers' frames around the first
+        # uses (the same 5 in eager): 7 with transformers 5.23, 11 with 5.24 for 4 groups
+        assert err < 1e-5 and 0 < breaks[0] <= 3 * groups and breaks[1:] == [0, 0], (
             err, breaks, groups)
 
 
