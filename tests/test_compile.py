@@ -117,3 +117,29 @@ def test_compiled_model_trains_as_one_process(pools, raf):
         assert err < 1e-6, err
         assert 0 < breaks[0] <= 2 * groups and breaks[1:] == [0, 0], (breaks, groups)
         assert graphs >= 1
+
+
+def compiled_cast_warnings(spec):
+    """A compiled loss_fn under a cast Policy: autograd calls the step's saved-tensor hooks
+    between the compiled graphs; dynamo leaves them alone (they ran, and warned, before)."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=16, heads=2, layers=2, seq=8)
+    step = fs.train_step(torch.compile(gpt_loss(model), backend="aot_eager"),
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(param_dtype=torch.bfloat16))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            state, metrics = step(state, (idx, idx))
+    torch._dynamo.reset()
+    gc.collect()
+    return [str(w.message)[:120] for w in seen if "trace" in str(w.message)], metrics["loss"]
+
+
+def test_compiled_cast_step_makes_dynamo_warn_nothing(pools):
+    for warned, loss in pools.run(1, compiled_cast_warnings):
+        assert warned == [] and loss > 0, warned

@@ -130,6 +130,18 @@ def _eager(fn):
     return disable(fn) if disable is not None else fn
 
 
+def untraced(fn):
+    """``fn``'s frames run eagerly under torch.compile, at no cost per call (no wrapper): the
+    step's saved-tensor hooks, which autograd calls between a compiled loss_fn's graphs and
+    which dynamo would otherwise try to compile, warning where it cannot follow them
+    (``sys._getframe``)."""
+    skip = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "skip_code",
+                   None)
+    if skip is not None:
+        skip(fn.__code__)
+    return fn
+
+
 # (Under dynamo.disable a rank once crashed later in the same test worker: compiled code
 # kept stand-ins alive past their step, and an op on one gathered on a finished run. A
 # stand-in is inert once its step ends (Group.release), which ended that.)

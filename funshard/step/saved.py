@@ -18,7 +18,7 @@ import torch.utils.checkpoint as _ckpt
 
 from . import lazy
 from .group import S
-from .lazy import LazyParam
+from .lazy import LazyParam, untraced
 
 # Where non-reentrant torch.utils.checkpoint saves a region's inputs, through the saved-tensor
 # hooks on top (the step's) just before it pushes its own: torch 2.13 in
@@ -30,6 +30,7 @@ _APPLY = torch.autograd.Function.apply.__func__.__code__
 _REENTRANT = getattr(_ckpt, "CheckpointFunction", None)  # use_reentrant=True's Function
 
 
+@untraced
 def _checkpoint_saving() -> int:
     """What saves the tensor being packed: 1, a non-reentrant checkpoint region's inputs (a
     region whose saved tensors bypass the step's hooks begins); 2, a reentrant region's
@@ -60,6 +61,7 @@ class SavedParams:
         self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
         self.checkpointed = False  # a checkpoint region (either kind) began in forward
 
+    @untraced
     def pack(self, t: torch.Tensor):
         saver = _checkpoint_saving()
         entering = saver == 1
@@ -101,6 +103,7 @@ class SavedParams:
         group.saved[t._k] += 1
         return (t._gi, t._k, None, entering)
 
+    @untraced
     def unpack(self, packed):
         run = self.run
         waiting = self.prefetch_when_done is not None and run.backward
