@@ -20,21 +20,13 @@ from funshard.testing import capture, mesh
 B, T, D = 2, 5, 6  # rows per rank, sequence, features
 
 
-class LSTMNet(nn.Module):
-    def __init__(self):
+class Recurrent(nn.Module):
+    """A recurrent layer (its flat weight lists) and a head on its last step's output."""
+
+    def __init__(self, rnn: nn.RNNBase):
         super().__init__()
-        self.rnn = nn.LSTM(D, 8, num_layers=2, batch_first=True)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(self.rnn(x)[0][:, -1])
-
-
-class GRUNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.rnn = nn.GRU(D, 8, batch_first=True, bidirectional=True)
-        self.head = nn.Linear(16, 3)
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 3)
 
     def forward(self, x):
         return self.head(self.rnn(x)[0][:, -1])
@@ -99,7 +91,9 @@ class Bilinear(nn.Module):
         return self.bil(h, h)
 
 
-MODELS = {"lstm": LSTMNet, "gru": GRUNet, "attention": Attention, "encoder": Encoder,
+MODELS = {"lstm": lambda: Recurrent(nn.LSTM(D, 8, num_layers=2, batch_first=True)),
+          "gru": lambda: Recurrent(nn.GRU(D, 8, batch_first=True, bidirectional=True)),
+          "attention": Attention, "encoder": Encoder,
           "weight_norm": WeightNorm, "conv": Conv, "bilinear": Bilinear}
 # every top-level child its own group: several groups per model
 BY_CHILD = {"groups": lambda fqn: fqn.split(".")[0]}

@@ -36,7 +36,7 @@ from .. import comm, pytree
 from ..shard import shard
 
 RULES = ("mean", "broadcast", "own")
-_STATS = ("running_mean", "running_var")  # F.batch_norm's, beside the module's weight and bias
+STATS = ("running_mean", "running_var")  # F.batch_norm's, beside the module's weight and bias
 
 
 def prepare(buffers: Any, mesh: DeviceMesh, *, where: str) -> Any:
@@ -64,7 +64,7 @@ def check_dtypes(params, buffers: Any, *, where: str) -> None:
     for p, b in zip(*pytree.flatten_with_path(buffers)[:2]):
         path = pytree.fqn(p)
         module, _, name = path.rpartition(".")
-        if name not in _STATS or not b.is_floating_point():
+        if name not in STATS or not b.is_floating_point():
             continue
         for leaf in (f"{module}.weight" if module else "weight",
                      f"{module}.bias" if module else "bias"):

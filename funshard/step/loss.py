@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from . import scaling
 from .install import own_tensors
 
 
@@ -143,10 +144,7 @@ def check_rows(rows: float, rows_sq: float, world: int) -> None:
 def normalize(grads: list, factor: float) -> None:
     """The reduced gradients (the mean over ranks of the totals' gradients) times
     ``world / count``: the gradient of the mean over every item, in place."""
-    present = [g for g in grads if g is not None]
-    with torch.no_grad():
-        for dt in {g.dtype for g in present}:
-            torch._foreach_mul_([g for g in present if g.dtype == dt], factor)
+    scaling.multiply(grads, factor)
 
 
 def check_reaches_only_params(run, loss: torch.Tensor) -> None:

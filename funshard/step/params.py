@@ -15,6 +15,7 @@ from .. import pytree
 from ..layout import describe
 from ..mesh import mesh_device, mesh_str
 from ..reduce import norm_weights
+from .buffers import STATS
 from .direct import Leaves
 from .schedule import Schedule, group_names, partition
 
@@ -45,7 +46,7 @@ class ParamGroups:
         # running statistics put into the sharded tree are never bound: batch_norm writes
         # them in place without a version bump, so only the stand-in can see (and refuse) it
         self.unbindable = [{k for k, i in enumerate(idx)
-                            if names[i].rsplit(".", 1)[-1] in ("running_mean", "running_var")}
+                            if names[i].rsplit(".", 1)[-1] in STATS}
                            for idx in self.members]
         self.dtypes = [policy.compute_dtype(n, leaf.dtype) for n, leaf in zip(names, leaves)]
         self.world = mesh.size()

@@ -90,12 +90,18 @@ def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale) -> list:
     """The reduced gradients in their masters' ``dtypes``, divided by the scale (in place
     where already so; a power of two divides exactly)."""
     out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
-    present = [g for g in out if g is not None]
-    if present and ls.scale != 1.0:
-        with torch.no_grad():
-            for dt in {g.dtype for g in present}:  # as GradScaler: times the reciprocal
-                torch._foreach_mul_([g for g in present if g.dtype == dt], 1.0 / ls.scale)
+    if ls.scale != 1.0:
+        multiply(out, 1.0 / ls.scale)  # as GradScaler: times the reciprocal
     return out
+
+
+def multiply(grads: list, factor: float) -> None:
+    """Every gradient of ``grads`` (None: none) times ``factor``, in place: one foreach call
+    per dtype."""
+    present = [g for g in grads if g is not None]
+    with torch.no_grad():
+        for dt in {g.dtype for g in present}:
+            torch._foreach_mul_([g for g in present if g.dtype == dt], factor)
 
 
 def overflowed(policy, ls: LossScale | None, grads_finite: bool, loss_finite: bool) -> bool:
