@@ -35,6 +35,19 @@ def die_on_rank_1():
     dist.barrier()
 
 
+def exchange_on_rank_1_only():
+    """Rank 1 starts a cross-memory exchange rank 0 never starts, and both return: the
+    next call on these ranks would pair rank 0's first exchange with it."""
+    from funshard.comm import cma_link
+
+    link = cma_link.link_of(dist.group.WORLD)  # collective (a handshake)
+    if link is None:
+        return "no cross-memory exchange here"
+    if dist.get_rank() == 1:
+        link.post("all-gather", 0, [], lambda peer, words: ([], []))
+    return "returned"
+
+
 @pytest.fixture(scope="module")
 def pool():
     with Pool(2, timeout=60) as p:
@@ -73,3 +86,16 @@ def test_a_dying_rank_is_reported(pool):
 def test_unpicklable_function_is_refused(pool):
     with pytest.raises(TypeError, match="module-level function"):
         pool.run(lambda: 1)
+
+
+def test_a_call_that_leaves_ranks_out_of_step_fails_by_name(pool):
+    try:
+        got = pool.run(exchange_on_rank_1_only)
+    except RankError as e:
+        msg = str(e)
+    else:
+        assert got[0] == "no cross-memory exchange here", f"out of step, not seen: {got}"
+        pytest.skip(got[0])
+    assert "exchange_on_rank_1_only" in msg and "out of step" in msg, msg
+    assert "rank 0: ok" in msg and "rank 1: ok" in msg, msg
+    assert pool.run(rank_and_sum) == [(0, 1.0), (1, 1.0)]  # restarted and usable

@@ -333,5 +333,13 @@ def _handshake(pg, link: _Link) -> _Link | None:
     return link if every else None
 
 
+def positions() -> dict[str, tuple[int, int]]:
+    """Where this rank's links stand, by process-group name: (exchanges posted, of them not
+    yet consumed from every peer). Ranks in step agree on it between calls (the test pool
+    compares it after each call, so a call that leaves ranks out of step is named)."""
+    return {str(getattr(pg, "group_name", "") or id(pg)): (link.seq, len(link.pending))
+            for pg, link in list(_LINKS.items()) if link is not None}
+
+
 def available(pg) -> bool:
     return pg is not None and link_of(pg) is not None

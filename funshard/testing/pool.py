@@ -5,7 +5,9 @@ initialised on gloo) and runs many functions on them, so a test suite, or hypoth
 hundreds of examples, pays the spawn cost once per world size. A rank that raises fails the
 call with every rank's traceback within seconds; a rank that hangs fails it at ``timeout``
 and the pool restarts itself for the next call (when every rank raised, the workers are
-healthy and are kept).
+healthy and are kept). A call after which the ranks' cross-memory exchanges do not stand
+level (one rank started an exchange its peers never did) fails by name, and the pool
+restarts: else the next call would pair one rank's exchange with another's.
 
     >>> with Pool(2) as pool:
     ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
@@ -35,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ..comm import cma_link
 
 MeshSpec = "int | str"
 DEVICE = os.environ.get("FUNSHARD_TEST_DEVICE", "cpu")  # the lane's device type
@@ -115,6 +119,7 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             reply = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        reply += (cma_link.positions(),)
         try:
             data = pickle.dumps(reply)
         except Exception as e:  # noqa: BLE001
@@ -124,6 +129,20 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
 
 
 # -- parent side -------------------------------------------------------------------------
+
+
+def _out_of_step(replies: dict) -> str:
+    """'' when every rank's cross-memory links stand where their peers' do; else where not.
+    A call that raised on one rank after an exchange its peers never started (and was
+    caught, or raised on them before it) leaves its link one exchange ahead."""
+    by_group: dict[str, dict[int, tuple]] = {}
+    for r, rep in replies.items():
+        for name, pos in (rep[2] if len(rep) > 2 else {}).items():
+            by_group.setdefault(name, {})[r] = pos
+    for name, pos in sorted(by_group.items()):
+        if len({p[0] for p in pos.values()}) > 1:
+            return f"process group {name!r}, (posted, unfinished) by rank: {pos}"
+    return ""
 
 
 class Pool:
@@ -231,14 +250,19 @@ class Pool:
                 if r not in replies and not self._procs[r].is_alive():
                     replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
                     failed_at = failed_at or time.monotonic()
-        if len(replies) == self.world and all(k == "ok" for k, _ in replies.values()):
+        apart = _out_of_step(replies) if len(replies) == self.world else ""
+        if not apart and len(replies) == self.world and all(
+                rep[0] == "ok" for rep in replies.values()):
             return [replies[r][1] for r in range(self.world)]
-        if len(replies) < self.world or any(not p.is_alive() for p in self._procs):
+        if apart or len(replies) < self.world or any(not p.is_alive() for p in self._procs):
             self._kill()  # some ranks may be stuck in a collective: start afresh next time
         name = getattr(fn, "__qualname__", repr(fn))
         lines = [f"{name} failed on {self.world} ranks:"]
+        if apart:
+            lines.append(f"it left the ranks' collectives out of step ({apart}): a later call "
+                         "would pair one rank's exchange with another's. The pool restarts.")
         for r in range(self.world):
-            kind, val = replies.get(r, ("hung", None))
+            kind, val = replies.get(r, ("hung", None))[:2]
             if kind == "ok":
                 lines.append(f"--- rank {r}: ok")
             elif kind == "hung":
