@@ -32,8 +32,9 @@ from .step import Policy
 from .step.schedule import Schedule, group_names, make_schedule, partition
 
 # the step's one all-reduce, float64: loss, squared grad norm, fs.Mean's count and kind, the
-# local batch's rows and their square, and the gather order's check
-_METRICS_BYTES = 64
+# local batch's rows and their square, the leaves given no gradient (see [Note: a parameter
+# no rank reached] in funshard.step.update), and the gather order's check
+_METRICS_BYTES = 72
 
 
 class Traffic(NamedTuple):

@@ -207,13 +207,14 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     micro = batches.split(batch, policy.accumulate)
     k = len(micro)
     buckets: dict = {}  # gradients summed over micro-batches, per group
+    used: set[int] = set()  # leaves given a gradient on this rank (see update.metrics_of)
     record = params.schedule is None
     loss_sum = torch.zeros((), dtype=torch.float64, device=params.device)
     count = None  # fs.Mean's counts, summed (see [Note: a mean over every rank's items])
     aux_all, runs, first = [], [], None
     for j, mb in enumerate(micro):
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
-                  record=record and j == 0 and not direct, direct=direct)
+                  record=record and j == 0 and not direct, direct=direct, used=used)
         if direct:
             tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
         else:
@@ -259,7 +260,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
         batches.check_even(batch)
     for r in runs:
         r.release()
-    return update.Grads(grads, loss_sum, aux_all, peaks, order, count)
+    return update.Grads(grads, loss_sum, aux_all, peaks, order, count, used)
 
 
 def _check_counts(state: TrainState) -> None:

@@ -17,9 +17,10 @@ from ..comm.reduce import dense
 class Reductions:
     """The buckets (shared by a step's micro-batches) and the reductions in flight."""
 
-    def __init__(self, params, policy, buckets: dict, accumulating: bool):
+    def __init__(self, params, policy, buckets: dict, accumulating: bool, used: set):
         self.params, self.policy = params, policy
         self.buckets: dict[int, comm.GradBucket] = buckets  # per group, until launched
+        self.used = used  # leaves (tree positions) given a gradient on this rank this step
         self.accumulating = accumulating
         # a world of one, one micro-batch: each gradient is its own reduction (see put_all)
         self.local = comm.skips(params.world) and not accumulating
@@ -48,12 +49,14 @@ class Reductions:
 
     def put(self, group, k: int, grad: torch.Tensor) -> None:
         """Leaf ``k``'s gradient for this micro-batch is complete: add it to the bucket."""
+        self.used.add(group.idx[k])
         self.bucket(group).put(self.params.slot[group.gi][k], grad, add=True)
 
     def put_all(self, group, grads: list) -> None:
         """:meth:`put` of ``(k, grad)`` pairs, the bucket found once."""
         if not grads:
             return
+        self.used.update(group.idx[k] for k, _ in grads)
         if self.local:
             self._put_local(group, grads)
             return

@@ -34,7 +34,8 @@ class Run:
         return _CURRENT.get()
 
     def __init__(self, params: ParamGroups, shards: list, policy, buckets: dict,
-                 accumulating: bool, sync: bool, record: bool, direct: bool = False):
+                 accumulating: bool, sync: bool, record: bool, direct: bool = False,
+                 used: set | None = None):
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
         self.direct = direct  # shards are the leaves loss_fn gets: see .direct
@@ -42,7 +43,9 @@ class Run:
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
-        self.grads = Reductions(params, policy, buckets, accumulating)
+        # ``used``: the leaves given a gradient, shared by a step's micro-batches
+        self.grads = Reductions(params, policy, buckets, accumulating,
+                                set() if used is None else used)
         self.saved = SavedParams(self)
         self.active: list[int] = []  # groups the latest op (or autograd node) uses
         self.backward = False

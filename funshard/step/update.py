@@ -33,6 +33,7 @@ class Grads(NamedTuple):
     peaks: tuple[int, int]
     order: tuple  # per micro-batch, the groups in the order forward and backward used them
     count: torch.Tensor | None = None  # fs.Mean's counts summed over micro-batches
+    used: frozenset | set = frozenset()  # leaves given a gradient on this rank
 
 
 def check_trained(params: ParamGroups, grads: list) -> None:
@@ -78,13 +79,18 @@ def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[
         at_rows, at_sq = params.on_device("rows", torch.float64,
                                           lambda: [[0, 0, 1, 0], [0, 0, 0, 1]])
         kind = at_rows * float(rows) + at_sq * float(rows * rows)
+    # the leaves this rank gave no gradient, counted (a scalar multiply: no host copy)
+    idle = params.on_device("unit", torch.float64, lambda: [1.0]) * float(
+        sum(i not in out.used for i in present))
     both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
-                      order])
+                      idle, order])
     if not comm.skips(params.world):
         with comm.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
-    loss, sq_norm, count, means, n, n2, *sums = both.tolist()  # the step's one device wait
+    loss, sq_norm, count, means, n, n2, idle_sum, *sums = both.tolist()  # the one device wait
     agree.check_order(sums, params, out.order)
+    if idle_sum:
+        present = _drop_unreached(params, out.grads, present, out.used)
     factor = loss_.check_kind(means, count, params.world) if means else None
     if not means:
         loss_.check_rows(n, n2, params.world)
@@ -107,6 +113,35 @@ def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[
         if math.isfinite(factor):
             loss_.normalize(out.grads, factor)
     return metrics, present
+
+
+# [Note: a parameter no rank reached] A trainable leaf that the loss reached on no rank and
+# in no micro-batch (a branch not taken this step, a layer dropped, an expert no token chose)
+# has no gradient, as in one process: torch leaves its ``.grad`` None and torch.optim skips
+# it (no weight decay, no moment decay), and so does FSDP2. Its group's reduction still
+# carries zeros for it (every rank takes part), so the step drops those zeros here: the leaf
+# gets None, whichever group holds it, and the optimizer leaves it and its state alone
+# (fs.optim's Adam then counts its bias correction by the optimizer's step, as optax does;
+# torch.optim on shards, by the leaf's own). A leaf some rank reached keeps the mean over
+# ranks, zeros from the others, as one process on the whole batch computes it. Each rank's
+# count of such leaves rides on the metrics all-reduce; only when some rank has one do the
+# ranks add a second all-reduce, of a flag per leaf with a gradient.
+
+
+def _drop_unreached(params: ParamGroups, grads: list, present: list[int],
+                    used: set) -> list[int]:
+    """Set to None the gradients of ``present`` leaves no rank reached; return the rest."""
+    flags = [1.0 if i in used else 0.0 for i in present]
+    if not comm.skips(params.world):
+        reached = torch.tensor(flags, dtype=torch.float64, device=params.device)
+        with comm.watch("all-reduce of the leaves the ranks reached", params.mesh):
+            dist.all_reduce(reached)
+        flags = reached.tolist()
+    for i, f in zip(present, flags):
+        if not f:
+            grads[i] = None
+    check_trained(params, grads)
+    return [i for i, f in zip(present, flags) if f]
 
 
 def update(optimizer, policy, params: ParamGroups, state, out: Grads,

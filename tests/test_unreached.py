@@ -1,0 +1,130 @@
+"""A trainable parameter the loss reaches on no rank in a step (a branch not taken, a layer
+dropped, an expert no token chose) gets no gradient and no update, as in one process where
+its ``.grad`` stays None and torch.optim skips it; one that some rank reaches trains on the
+mean over ranks. Neither depends on the groups ([Note: a parameter no rank reached] in
+funshard.step.update)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import funshard as fs
+from funshard.testing import CountCollectives, mesh
+
+PER_RANK = 3
+# per step, which of each rank's rows take the branch: none anywhere (no rank reaches it),
+# rank 0's only (some rank does), every row, none again. With a group of its own, the branch
+# is a group some ranks would gather and others not: refused (tests/test_misuse.py), so
+# every rank takes it or none does.
+PICKS = {"one_group": ["none", "rank0", "all", "none"],
+         "per_module": ["none", "all", "none", "all"]}
+GROUPS = {"one_group": None, "per_module": lambda fqn: fqn.split(".")[0]}
+OPTIMIZERS = {
+    # torch.optim on the shards: skips a None gradient, with AdamW's own per-leaf step
+    "torch_adamw": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "sgd": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.maybe = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x, pick):
+        h = torch.tanh(self.a(x))
+        if pick.any():  # the branch, on the rows that take it
+            h = torch.where(pick[:, None], torch.tanh(self.maybe(h)), h)
+        return self.head(h)
+
+
+def _loss(model):
+    def loss_fn(params, batch):
+        x, y, pick = batch
+        return nn.functional.mse_loss(fs.call(model, params, x, pick), y)
+    return loss_fn
+
+
+def _pick(kind: str, world: int) -> torch.Tensor:
+    rows = torch.zeros(world * PER_RANK, dtype=torch.bool)
+    if kind == "rank0":
+        rows[:PER_RANK] = True
+    elif kind == "all":
+        rows[:] = True
+    return rows
+
+
+def unreached_parity(spec, groups: str, optimizer: str, policy: dict):
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    make, make_ref = OPTIMIZERS[optimizer]
+    step = fs.train_step(_loss(model), make(),
+                         policy=fs.Policy(groups=GROUPS[groups], **policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = make_ref(list(ref.parameters()))
+    g = torch.Generator().manual_seed(1)
+    errs, unchanged, all_reduces = [], None, []
+    for kind in PICKS[groups]:
+        x = torch.randn(world * PER_RANK, 6, generator=g)
+        y = torch.randn(world * PER_RANK, 2, generator=g)
+        pick = _pick(kind, world)
+        sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        with CountCollectives() as cc:
+            state, _ = step(state, (x[sl], y[sl], pick[sl]))
+        all_reduces.append(cc.counts.get("all_reduce", 0))
+        opt.zero_grad(set_to_none=True)
+        loss = sum(_loss(ref)(dict(ref.named_parameters()),
+                              tuple(t[j * PER_RANK:(j + 1) * PER_RANK] for t in (x, y, pick)))
+                   for j in range(world)) / world
+        loss.backward()
+        opt.step()
+        full = fs.unshard(state.params)
+        errs.append(max((full[n] - p.detach()).abs().max().item()
+                        for n, p in ref.named_parameters()))
+        if unchanged is None:  # after the first step, which no rank's loss took the branch
+            unchanged = all(torch.equal(full[n], before[n]) for n in ("maybe.weight",
+                                                                     "maybe.bias"))
+    return {"errs": errs, "unchanged": unchanged, "all_reduces": all_reduces}
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+@pytest.mark.parametrize("groups", list(GROUPS))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_parameter_no_rank_reaches_is_left_alone_as_in_one_process(pools, spec, groups,
+                                                                     optimizer):
+    """Step 0: no rank takes the branch, its leaves keep their values and state (torch's
+    weight decay and momentum skip them); in one group, step 1: rank 0 alone does, and the
+    mean over ranks trains them as one process on the whole batch. Whatever the groups."""
+    for rank, r in enumerate(pools.run(spec, unreached_parity, groups, optimizer, {})):
+        assert r["unchanged"], (rank, r)
+        assert max(r["errs"]) < 1e-6, (rank, r)
+
+
+@pytest.mark.parametrize("policy", [{"accumulate": 3}, {"param_dtype": torch.bfloat16},
+                                    {"reshard_after_forward": False}],
+                         ids=["accumulate", "bf16", "shard_grad_op"])
+def test_unreached_leaves_under_other_policies(pools, policy):
+    """Accumulated micro-batches (a leaf counts as reached when any micro-batch reaches it),
+    bfloat16 compute, SHARD_GRAD_OP: the same rule, on 2 ranks."""
+    tol = 2e-2 if "param_dtype" in policy else 1e-6
+    for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", "sgd", policy)):
+        assert r["unchanged"], (rank, r)
+        assert max(r["errs"]) < tol, (rank, r)
+
+
+def test_the_leaves_reached_cost_a_second_all_reduce_only_when_some_rank_left_one(pools):
+    """Every leaf reached on every rank (step 2): the step's one metrics all-reduce. A leaf
+    some rank did not reach (steps 0, 1, 3): one more, of a flag per leaf."""
+    for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", "sgd", {})):
+        assert r["all_reduces"] == [2, 2, 1, 2], (rank, r)
