@@ -21,7 +21,7 @@ from funshard.testing import CountCollectives, LivePeak, tensor_bytes
 from .modes import Config, batches, build_mode, build_model, device_of, meshes_for
 from .overlap import kernels_of, overlap_of, overlap_text
 
-_METRICS_MAX = 64  # all-reduces this small are the step's metrics (loss, grad norm)
+_METRICS_MAX = 72  # all-reduces this small are the step's metrics (loss, grad norm)
 
 
 def _sync(cfg: Config) -> None:
@@ -49,7 +49,7 @@ def _gather(obj):
 def traffic_of(ops: list[tuple[str, int, int]]) -> dict[str, dict[str, int]]:
     """:attr:`CountCollectives.ops` by kind: ``count``, ``bytes`` (the logical buffer:
     all-gather output, reduce-scatter input, all-reduce tensor) and ``counted`` (the op's
-    first argument, as :attr:`CountCollectives.bytes` records it). All-reduces of at most 64
+    first argument, as :attr:`CountCollectives.bytes` records it). All-reduces of at most 72
     bytes (the step's loss and grad-norm metrics) count as ``"metrics"``."""
     kinds: dict[str, dict[str, int]] = {}
     for kind, logical, counted in ops:

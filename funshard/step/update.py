@@ -1,8 +1,9 @@
 """After backward: the step's metrics, its non-finite rule, and the optimizer.
 
 The loss and the global gradient norm take one all-reduce and one read on the host (the
-step's one wait for the device); a non-finite loss or gradient refuses the step by name
-(or skips it, with ``Policy(skip_nonfinite=True)``), the parameters and optimizer state
+step's one wait for the device); a leaf no rank's loss reached gets no gradient ([Note: a
+parameter no rank reached]); a non-finite loss or gradient refuses the step by name (or
+skips it, with ``Policy(skip_nonfinite=True)``), the parameters and optimizer state
 unchanged; then the optimizer (with the Policy's clipping in front) updates the local
 shards in place.
 """
