@@ -48,7 +48,7 @@ class Net(nn.Module):
 def _loss(model):
     def loss_fn(params, batch):
         x, y, pick = batch
-        return nn.functional.mse_loss(fs.call(model, params, x, pick), y)
+        return nn.functional.mse_loss(fs.call(model, params, x, pick).float(), y)
     return loss_fn
 
 
