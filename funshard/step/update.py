@@ -33,8 +33,8 @@ class Grads(NamedTuple):
     aux: list
     peaks: tuple[int, int]
     order: tuple  # per micro-batch, the groups in the order forward and backward used them
-    count: torch.Tensor | None = None  # fs.Mean's counts summed over micro-batches
-    used: frozenset | set = frozenset()  # leaves given a gradient on this rank
+    count: torch.Tensor | None  # fs.Mean's counts summed over micro-batches (None: none)
+    used: set  # leaves given a gradient on this rank (an empty default would drop them all)
 
 
 def check_trained(params: ParamGroups, grads: list) -> None:
