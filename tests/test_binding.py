@@ -201,3 +201,41 @@ def test_checkpoint_region_trains_as_one_process(pools, reentrant, as_input, gro
             assert what == "refused" and refused in got, (what, got)
         else:
             assert what == "trained" and got < 1e-5, (what, got)
+
+
+def profiled(spec, dtype, opts):
+    """Three steps under torch.profiler (``opts``: record_shapes or with_stack, whose records
+    hold C++ weak references to op inputs and module parameters, so a stand-in cannot swap
+    back) against the same steps unprofiled: the same parameters, bit for bit, and the
+    profile has the model's ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m, rank = mesh(spec), dist.get_rank()
+    out, seen = [], set()
+    for prof in (False, True):
+        model = _model()
+        step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
+                             fs.optim.adamw(1e-2),
+                             policy=fs.Policy(param_dtype=dtype,
+                                              groups=lambda f: f.split(".")[0]))
+        state = step.init(fs.shard(fs.params(model), m))
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            b = (torch.randn(2, 4, generator=g), torch.randn(2, 3, generator=g))
+            if not prof:
+                state, _ = step(state, b)
+                continue
+            with profile(activities=[ProfilerActivity.CPU], **opts) as p:
+                state, _ = step(state, b)
+            seen |= {e.key for e in p.key_averages()}
+        out.append(fs.unshard(state.params))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0]), "aten::tanh" in seen
+
+
+@pytest.mark.parametrize("opts", [{"record_shapes": True}, {"with_stack": True}],
+                         ids=["record_shapes", "with_stack"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_a_profiled_step_trains_as_an_unprofiled_one(pools, spec, dtype, opts):
+    for same, ops in pools.run(spec, profiled, dtype, opts):
+        assert same and ops, (same, ops)
