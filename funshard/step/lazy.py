@@ -33,8 +33,8 @@ checkpointing's recompute: [Note: recomputation] in :mod:`.recompute`. Under
 ``torch.profiler`` with ``record_shapes`` or ``with_stack``, the profiler holds a C++ weak
 reference to each op's inputs and each called module's parameters, and torch swaps no
 tensor that has one: such a leaf stays bound, its group gathered, until the step ends (the
-same numbers; on the tiny host-bound GPT, with_stack: 9 groups resident at the peak, 1
-without). Profile memory with ``profile_memory`` alone.
+same numbers; on the tiny host-bound GPT, 9 groups resident at the peak with with_stack, 1
+with record_shapes alone, 1 without). Profile memory with ``profile_memory`` alone.
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
 the group's gradients to the run; each trainable leaf then passes :class:`Tap`, whose
