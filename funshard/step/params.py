@@ -20,6 +20,9 @@ from .direct import Leaves
 from .schedule import Schedule, group_names, partition
 
 
+TAP_BYTES = 1 << 20  # a gradient this large or larger streams (see [Note: streamed gradients])
+
+
 class ParamGroups:
     """One tree's leaves partitioned into communication groups, with layouts and dtypes.
 
@@ -58,6 +61,10 @@ class ParamGroups:
         self.norm_weight = norm_weights(layouts, mesh)
         self.group_bytes = [sum(self.leaf_bytes(i) for i in idx if layouts[i].sharded)
                             for idx in self.members]
+        # per group: the trainable leaves whose gradients stream to the bucket through
+        # their own node (see [Note: streamed gradients] in .lazy)
+        self.tap_pos = [[k for k in pos if self.leaf_bytes(idx[k]) >= TAP_BYTES]
+                        for idx, pos in zip(self.members, self.grad_pos)]
         self.schedule: Schedule | None = None  # learned on the first step
         self.linted = False  # a step's loss was seen to reach only these parameters
         self._consts: dict = {}  # see on_device

@@ -39,7 +39,7 @@ class Run:
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
         self.direct = direct  # shards are the leaves loss_fn gets: see .direct
-        self.tapped = not comm.skips(params.world)  # gradients reach the buckets via lazy.Tap
+        self.tapped = not comm.skips(params.world)  # large gradients stream via lazy.Tap
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
@@ -172,9 +172,8 @@ class Run:
         group.free()
         self.grads.wait(keep_newest=1)
         self.prefetch_after(group)  # if unpacking did not already
-        pos = self.params.grad_pos[group.gi]
-        if not self.tapped:
-            self.grads.put_all(group, [(k, grads[k]) for k in pos if grads[k] is not None])
+        pos = self.params.grad_pos[group.gi]  # a tapped leaf gives None here: its Tap put it
+        self.grads.put_all(group, [(k, grads[k]) for k in pos if grads[k] is not None])
         if self.sync and pos:
             self.grads.launch(group)
 
