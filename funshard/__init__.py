@@ -9,7 +9,7 @@
 __version__ = "0.2.0"
 
 from . import checkpoint, comm, layout, mesh, optim, plan, pytree, step, testing
-from .comm import CollectiveTimeout, PeerLost, RankFailed
+from .comm import CollectiveTimeout, OutOfStep, PeerLost, RankFailed
 from .mesh import make_mesh
 from .pytree import buffers, params
 from .reduce import reduce_grads
@@ -25,6 +25,7 @@ __all__ = [
     "LossScale",
     "Mean",
     "MicroBatches",
+    "OutOfStep",
     "PeerLost",
     "Policy",
     "RankFailed",

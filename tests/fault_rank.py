@@ -30,6 +30,9 @@ FAILING = int(os.environ.get("FUNSHARD_FAILING", "1"))
 def loss_fn(p, b):
     if mode == "loss_raises" and rank == FAILING and STEP[0] == 2:
         raise KeyError("boom in loss_fn")
+    if mode.startswith("caught_") and STEP[0] == 2 and (rank == FAILING or mode == "caught_alike"):
+        loss = mse_loss(model)(p, b)  # forward: every group gathered, as on every rank
+        raise KeyError(f"boom in loss_fn, after forward ({loss.shape})")
     if mode == "loss_branch" and rank == FAILING and STEP[0] == 2:
         swap = {"layers.0.0": "layers.1.0", "layers.1.0": "layers.0.0"}  # another branch
         q = {swap.get(k.rsplit(".", 1)[0], k.rsplit(".", 1)[0]) + "." + k.rsplit(".", 1)[1]: v
@@ -51,6 +54,13 @@ def run():
             continue
         if mode == "save_instead" and rank == FAILING and i == 2:
             fs.checkpoint.save(f"{base}/step_x", state)
+            continue
+        if mode in ("caught_retry", "caught_alike") and i == 2 and (
+                rank == FAILING or mode == "caught_alike"):
+            try:  # a caller that skips a batch its step raised on, and goes on
+                state, _ = step(state, batch)
+            except KeyError:
+                pass
             continue
         state, _ = step(state, batch)
         if mode == "save_raises" and i == 1:

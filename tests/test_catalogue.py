@@ -59,6 +59,12 @@ FAULTS = {
                                                       "boom in loss_fn"])]),
     "save_raises": (1, [("RankFailed", ["rank 1 failed in checkpoint.save(", "OSError: boom"]),
                         ("OSError", ["boom in save"])]),
+    # rank 1 catches its error (raised inside the step's collectives) and steps again:
+    # refused by name ([Note: a rank out of step]); rank 0, left waiting, says why
+    "caught_retry": (1, [("RankFailed", ["rank 1 failed in train_step (step 2)",
+                                         "boom in loss_fn"]),
+                         ("OutOfStep", ["rank 1 cannot make another funshard call",
+                                        "train_step (step 2)", "KeyError", "boom in loss_fn"])]),
 }
 
 
@@ -73,6 +79,13 @@ def test_one_ranks_error_is_every_ranks(tmp_path, mode):
     # the peers raise within seconds of the failing rank, not at the 20 s timeout (the
     # store's host lingers up to 3 s so that its peers can read why)
     assert max(times) - min(times) < (8 if failing == 0 else 5), times
+
+
+def test_an_error_every_rank_caught_alike_lets_the_run_go_on(tmp_path):
+    """Every rank raises the same error at the same op inside step 2 and goes on: the ranks
+    are in step, so steps 3 and 4 run (each rank waits for its peers' records first)."""
+    out = ranks("caught_alike", tmp_path)
+    assert all(rc == 0 and kind is None for rc, kind, _, _ in out), out
 
 
 def test_different_calls_are_named_at_the_timeout(tmp_path):

@@ -180,13 +180,19 @@ def test_async_save_with_a_stuck_peer_fails_within_the_timeout(tmp_path):
 
 
 def test_save_and_load_with_a_stopped_peer_fail_within_the_timeout(tmp_path):
+    """The save times out; the load after it is refused at once, naming that timeout: a rank
+    whose collective timed out cannot go on ([Note: a rank out of step])."""
     (out0, err0), _ = run_fault("stopped", str(tmp_path), stuck=True)
     assert len(out0) == 2, (out0, err0[-2000:])
-    for line, op in zip(out0, ("save to", "load from")):
-        kind, msg, took = parse(line)
-        assert kind == "CollectiveTimeout" and took <= BOUND, line
-        assert msg.startswith(f"{op} '{tmp_path}/ckpt' failed on rank 0: another rank did not "
-                              "answer within the process group's timeout (2 s; "), line
+    timeout = (f"save to '{tmp_path}/ckpt' failed on rank 0: another rank did not answer "
+               "within the process group's timeout (2 s; ")
+    kind, msg, took = parse(out0[0])
+    assert kind == "CollectiveTimeout" and took <= BOUND and msg.startswith(timeout), out0[0]
+    kind, msg, took = parse(out0[1])
+    assert kind == "OutOfStep" and took < 1.0, out0[1]
+    assert msg.startswith("funshard: rank 0 cannot make another funshard call: its call 2, "
+                          f"checkpoint.save('{tmp_path}/ckpt'), raised CollectiveTimeout: "
+                          + timeout), msg
 
 
 # -- symlinks are followed -------------------------------------------------------------------

@@ -5,7 +5,7 @@ from . import failures
 from .base import (TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce,
                    force_collectives, skips, watch)
 from .gather import all_gather, all_to_all, check_transport, choose
-from .failures import PeerLost, RankFailed
+from .failures import OutOfStep, PeerLost, RankFailed
 from .p2p import is_direct_message
 from .reduce import GradBucket, Reducing, reduce_scatter
 
@@ -13,6 +13,7 @@ __all__ = [
     "TRANSPORTS",
     "CollectiveTimeout",
     "Gathered",
+    "OutOfStep",
     "PeerLost",
     "RankFailed",
     "GradBucket",

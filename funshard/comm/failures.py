@@ -15,9 +15,22 @@ torchrun's agent store) keeps it up for up to 3 s as it exits, so its peers can 
 (measured: they raise about 5 s after its error, against 0.3-2 s otherwise).
 
 Nothing of this runs on the success path: a call costs two integer updates; the store is
-read only once a collective has already failed. A record is dropped when its rank starts
-its next call (the error was everyone's, e.g. the same ValueError on every rank), and only
-records of this rank's current or previous call are read.
+read only once a collective has already failed. Only records of this rank's current or
+previous call are read.
+
+[Note: a rank out of step] A rank whose call raised may not go on alone: its peers can
+still wait inside that call's collectives (a rank that raised in forward never joins the
+rest of the step's gathers), or have updated their shards where it did not. A caller who
+catches the error (an out-of-memory error caught to skip a batch) and calls again would
+pair this rank's next collectives with their old ones: wrong values or a hang. So after an
+exception leaves a call on a world of several ranks, this rank's next call first settles
+it (:func:`_settle`): it goes on only if every rank posted an error for the same call at
+the same collective position (each process group's sequence number, and each direct
+link's exchanges): the error was everyone's, raised at one point (a refusal every rank
+makes alike), and the ranks are in step. Otherwise, and after a :class:`RankFailed`, a
+timeout, a lost peer or an interrupt, every later call raises :class:`OutOfStep`, naming
+the first error. Settling reads the store only after a failure; a rank waits up to
+``SETTLE_WAIT`` seconds for its peers' records.
 
 Ranks that make different calls (a step on one, a save on the other) block each other until
 the process-group timeout; then each posts where it was (:func:`calls_differ`) and the
@@ -48,6 +61,11 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+class OutOfStep(RuntimeError):
+    """An earlier funshard call raised on this rank where its peers did not raise alike:
+    they may still wait inside that call's collectives, so no further call can pair up."""
+
+
 class PeerLost(RuntimeError):
     """A collective failed because another rank's process ended or closed its connection
     without posting an error (it was killed, or exited early)."""
@@ -64,6 +82,7 @@ class _Calls:
         self.posted = False
         self.failed_seq = None  # the call this rank last raised in (and posted)
         self.lingering = False
+        self.spoilt: dict | None = None  # a call that raised here, until settled
 
 
 CALLS = _Calls()
@@ -100,19 +119,112 @@ def call(what: str):
     c = CALLS
     outer = c.depth == 0
     if outer:
-        if c.posted:  # this rank's last failure was not waited on: its record goes
-            _drop()
+        if c.spoilt is not None:  # see [Note: a rank out of step]
+            _settle(c)
         c.seq += 1
         c.what = what
     c.depth += 1
     try:
         yield c.seq
     except BaseException as e:
-        if outer and not isinstance(e, (RankFailed, KeyboardInterrupt)):
-            post(e)
+        if outer and _store() is not None:
+            alike = not _peer_caused(e)  # else the run cannot go on: never settled
+            where = position()  # where this rank stopped: its peers' records must match
+            if alike:
+                post(e, where)
+            if c.spoilt is None:
+                c.spoilt = {"seq": c.seq, "what": c.what, "alike": alike, "where": where,
+                            "record": _record(e, where) if alike and not c.posted else None,
+                            "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         raise
     finally:
         c.depth -= 1
+
+
+def forget() -> None:
+    """Drop this process's unsettled call (the test pool does, between the tasks it runs on
+    ranks it keeps: a task that leaves ranks out of step restarts the pool)."""
+    CALLS.spoilt, CALLS.posted = None, False
+
+
+def _peer_caused(e: BaseException) -> bool:
+    """Another rank's failure, a failed or timed-out collective, an interrupt: an error
+    that ranks do not raise alike at one point."""
+    if isinstance(e, (RankFailed, OutOfStep, PeerLost, KeyboardInterrupt)) or any(
+            k.__name__ == "CollectiveTimeout" for k in type(e).__mro__):
+        return True
+    return isinstance(e, tuple(getattr(dist, n) for n in (
+        "DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, n)))
+
+
+SETTLE_WAIT = 5.0  # seconds a rank waits for its peers' records of a call that raised
+
+
+def _settle(c: _Calls, wait: float | None = None) -> None:
+    """Before this rank's next call: go on if every rank raised alike in the spoilt call
+    (mark its record settled), else raise :class:`OutOfStep`."""
+    bad, store = c.spoilt, _store()
+    if bad["record"] is not None and store is not None:  # the store refused it then (a
+        _post_record(store, bad["record"])  # full disk under a FileStore): once more
+        bad["record"], bad["alike"] = None, c.posted
+    apart = "" if store is None else _every_rank_alike(store, bad, wait) if bad[
+        "alike"] else "that error was another rank's failure, a collective's or an interrupt"
+    if not apart:
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.set(_key("settled", dist.get_rank()), str(bad["seq"]))
+        c.spoilt, c.posted = None, False
+        return
+    raise OutOfStep(
+        f"funshard: rank {dist.get_rank()} cannot make another funshard call: its call "
+        f"{bad['seq']}, {bad['what']}, raised {bad['error']}; the other ranks did not raise "
+        f"alike there ({apart}), so they may still wait inside its collectives (or have "
+        "updated where this rank did not), and another call would pair this rank's "
+        "collectives with theirs. The run cannot go on: end every process, fix the cause "
+        "and resume from the last checkpoint.")
+
+
+def _every_rank_alike(store, bad: dict, wait: float | None) -> str:
+    """'' when every other rank posted a record of an error where this rank raised ``bad``
+    (the same count of collectives on every process group both use; where torch gives no
+    counts, the same call); else which ranks did not, and where they stood."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    here, seq, todo, seen = bad["where"], bad["seq"], set(range(world)) - {me}, {}
+    end = time.monotonic() + (SETTLE_WAIT if wait is None else wait)
+    while True:
+        for r in sorted(todo):
+            try:
+                rec = json.loads(store.get(_key("failed", r))) if store.check(
+                    [_key("failed", r)]) else None
+            except Exception:  # noqa: BLE001 - a dead store: not settled
+                return "the store is gone"
+            theirs = (rec or {}).get("position", {})
+            shared = [k for k in here if k in theirs]
+            if rec is not None and (all(theirs[k] == here[k] for k in shared) if shared
+                                    else rec.get("seq") == seq):
+                todo.discard(r)  # else not posted yet, or an earlier error's record
+            seen[r] = {k: theirs[k] for k in shared}
+        if not todo:
+            return ""
+        if time.monotonic() > end:
+            return "; ".join(f"rank {r} " + (f"raised at {seen[r]}" if seen.get(r) else
+                                             "posted no error there") for r in sorted(todo)) + (
+                f"; this rank at {here}")
+        time.sleep(0.02)
+
+
+def position() -> dict[str, int]:
+    """The collectives this rank has issued, per process group by name (c10d's sequence
+    numbers, feature-detected; a direct link's exchanges): alike on ranks in step."""
+    from . import cma_link
+    out: dict[str, int] = {}
+    c10d = dist.distributed_c10d
+    for pg, name in list(getattr(getattr(c10d, "_world", None), "pg_names", {}).items()):
+        with contextlib.suppress(Exception):
+            out[f"pg {name}"] = int(pg._get_sequence_number_for_group())
+    for name, (posted, _) in cma_link.positions().items():
+        out[f"link {name}"] = int(posted)
+    return out
 
 
 def counted(name: str):
@@ -130,31 +242,30 @@ def _key(kind: str, rank: int) -> str:
     return f"{PREFIX}{kind}/{rank}"
 
 
-def post(e: BaseException) -> None:
-    """Post this rank's exception for its peers (never raises)."""
+def post(e: BaseException, where: dict | None = None) -> None:
+    """Post this rank's exception (and its :func:`position`) for its peers (never raises)."""
     store = _store()
-    if store is None:
-        return
-    rank = dist.get_rank()
-    text = " ".join(str(e).split())[:1500]
+    if store is not None:
+        _post_record(store, _record(e, position() if where is None else where))
+
+
+def _record(e: BaseException, where: dict) -> dict:
+    """What a rank posts of its exception: no reference to it (its frames may hold memory
+    that a caller who caught it wants back, e.g. after an out-of-memory error)."""
+    return {"rank": dist.get_rank(), "seq": CALLS.seq, "what": CALLS.what,
+            "type": type(e).__name__, "message": " ".join(str(e).split())[:1500],
+            "position": where}
+
+
+def _post_record(store, rec: dict) -> None:
     try:
-        store.set(_key("failed", rank), json.dumps(
-            {"rank": rank, "seq": CALLS.seq, "what": CALLS.what, "type": type(e).__name__,
-             "message": text}))
+        store.set(_key("failed", rec["rank"]), json.dumps(rec))
     except Exception:  # noqa: BLE001 - a dead store: peers fall back to the backend's words
         return
-    CALLS.posted, CALLS.failed_seq = True, CALLS.seq
+    CALLS.posted, CALLS.failed_seq = True, rec["seq"]
     if _hosts_store() and not CALLS.lingering:
         CALLS.lingering = True
         atexit.register(_linger, store)
-
-
-def _drop() -> None:
-    store = _store()
-    CALLS.posted = False
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.delete_key(_key("failed", dist.get_rank()))
 
 
 def _hosts_store() -> bool:
@@ -197,6 +308,10 @@ def records(store=None, *, shared: bool = True) -> list[dict]:
             continue
         if not shared and rec.get("seq") == CALLS.failed_seq:
             continue
+        with contextlib.suppress(Exception):  # an error every rank raised alike, settled
+            if store.check([_key("settled", r)]) and \
+                    int(store.get(_key("settled", r))) == rec.get("seq"):
+                continue
         if rec.get("seq") in (CALLS.seq, CALLS.seq - 1):
             out.append(rec)
             with contextlib.suppress(Exception):

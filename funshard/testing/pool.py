@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import cma_link
+from ..comm import cma_link, failures
 
 MeshSpec = "int | str"
 DEVICE = os.environ.get("FUNSHARD_TEST_DEVICE", "cpu")  # the lane's device type
@@ -114,6 +114,7 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
             break
         if not msg:
             break
+        failures.forget()  # each task starts with no unsettled call of an earlier one
         try:
             fn, args, kwargs = pickle.loads(msg)
             reply = ("ok", fn(*args, **kwargs))
