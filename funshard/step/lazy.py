@@ -313,7 +313,9 @@ def stand_ins(run, params, shards: list[torch.Tensor], *,
 # as FSDP2 holds them until its reduce-scatter. A leaf behind a Tap of its own reaches the
 # bucket as soon as its gradient is complete, and that full gradient is freed there. A Tap
 # costs a node's host time, forward and backward: 8.9 us per leaf (100 leaves of 64 x 64,
-# 2.61 against 1.72 ms, this 2-core CPU, 2026-11-24). So only a leaf whose full gradient
+# 2.61 against 1.72 ms, this 2-core CPU, 2026-11-24; a hook on a view of each leaf instead,
+# 3.48 ms: registering it per step costs more; a hook on Gather's own output runs only when
+# Gather does, which frees nothing early). So only a leaf whose full gradient
 # is at least ``params.TAP_BYTES`` (1 MiB) is tapped; the rest (biases, norms, the leaves of
 # a small model) reach the bucket from Gather's backward, a few KiB each. Measured
 # 2026-11-24, 2 gloo ranks: on the host-bound GPT 8 x 64 (no leaf tapped), 0.87-0.97x the
