@@ -44,7 +44,7 @@ def streamed(spec, policy_kw, groups):
     taps = []
 
     def loss_fn(p, b):
-        loss = F.mse_loss(fs.call(model, p, b[0]), b[1])
+        loss = F.mse_loss(fs.call(model, p, b[0]).float(), b[1])  # torch 2.11: no bf16 mse
         taps.append(_taps(loss))
         return loss
 
