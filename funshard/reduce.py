@@ -30,6 +30,7 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
 
     Example: on 2 ranks, ``g`` of shape (7, 3) -> DTensor (7, 3), local (4, 3) / (3, 3).
     """
+    comm.failures.in_step()  # see [Note: a rank out of step]
     comm.check_transport(transport, where="reduce_grads")
     check_float_dtype(reduce_dtype, "reduce_grads: reduce_dtype")
     if op not in ("mean", "sum"):

@@ -135,6 +135,7 @@ def unshard(
 
     Example: ``unshard(shard({"w": x}, mesh))["w"]`` equals ``x`` bitwise.
     """
+    comm.failures.in_step()  # see [Note: a rank out of step]
     mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
     if not leaves:
         return pytree.unflatten(spec, [])

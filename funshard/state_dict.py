@@ -108,6 +108,7 @@ def state_dict(tree: Tree, kind: str = "full", *, rank0_only: bool = False,
 
     Example: ``state_dict(fs.shard({"w": x}, mesh))["w"]`` equals ``x`` (7, 3) on every rank.
     """
+    comm.failures.in_step()  # see [Note: a rank out of step]
     if kind not in KINDS:
         raise ValueError(f"state_dict: kind={kind!r}; use one of {KINDS}")
     if kind != "full" and (rank0_only or cpu_offload):
@@ -210,6 +211,7 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
 
     Example: ``load_state_dict(model.state_dict(), like=sparams)["w"]`` -> DTensor (7, 3).
     """
+    comm.failures.in_step()  # see [Note: a rank out of step]
     keys, likes, spec = _flat(like)
     if isinstance(sd, dict):
         sd = with_later_fields(sd, like, dict(zip(keys, likes)))

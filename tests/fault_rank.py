@@ -55,12 +55,12 @@ def run():
         if mode == "save_instead" and rank == FAILING and i == 2:
             fs.checkpoint.save(f"{base}/step_x", state)
             continue
-        if mode in ("caught_retry", "caught_alike") and i == 2 and (
-                rank == FAILING or mode == "caught_alike"):
+        if mode.startswith("caught_") and i == 2 and (rank == FAILING or mode == "caught_alike"):
             try:  # a caller that skips a batch its step raised on, and goes on
                 state, _ = step(state, batch)
             except KeyError:
-                pass
+                if mode == "caught_unshard":  # or gathers the weights to save them
+                    fs.unshard(state.params)
             continue
         state, _ = step(state, batch)
         if mode == "save_raises" and i == 1:

@@ -65,6 +65,11 @@ FAULTS = {
                                          "boom in loss_fn"]),
                          ("OutOfStep", ["rank 1 cannot make another funshard call",
                                         "train_step (step 2)", "KeyError", "boom in loss_fn"])]),
+    # the same, then fs.unshard (a collective call that is not counted): refused alike
+    "caught_unshard": (1, [("RankFailed", ["rank 1 failed in train_step (step 2)",
+                                           "boom in loss_fn"]),
+                           ("OutOfStep", ["rank 1 cannot make another funshard call",
+                                          "train_step (step 2)", "boom in loss_fn"])]),
 }
 
 

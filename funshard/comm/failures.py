@@ -23,8 +23,9 @@ still wait inside that call's collectives (a rank that raised in forward never j
 rest of the step's gathers), or have updated their shards where it did not. A caller who
 catches the error (an out-of-memory error caught to skip a batch) and calls again would
 pair this rank's next collectives with their old ones: wrong values or a hang. So after an
-exception leaves a call on a world of several ranks, this rank's next call first settles
-it (:func:`_settle`): it goes on only if every rank posted an error for the same call at
+exception leaves a call on a world of several ranks, this rank's next call (a counted
+one, or one that checks :func:`in_step`: ``unshard``, ``reduce_grads``, the state dicts, an
+eval step) first settles it (:func:`_settle`): it goes on only if every rank posted an error for the same call at
 the same collective position (each process group's sequence number, and each direct
 link's exchanges): the error was everyone's, raised at one point (a refusal every rank
 makes alike), and the ranks are in step. Otherwise, and after a :class:`RankFailed`, a
@@ -139,6 +140,13 @@ def call(what: str):
         raise
     finally:
         c.depth -= 1
+
+
+def in_step() -> None:
+    """Before a collective call that is not counted (``unshard``, ``reduce_grads``,
+    ``state_dict``, ``load_state_dict``, an eval step): refuse as a counted call would."""
+    if CALLS.spoilt is not None and CALLS.depth == 0:
+        _settle(CALLS)
 
 
 def forget() -> None:
