@@ -23,15 +23,15 @@ still wait inside that call's collectives (a rank that raised in forward never j
 rest of the step's gathers), or have updated their shards where it did not. A caller who
 catches the error (an out-of-memory error caught to skip a batch) and calls again would
 pair this rank's next collectives with their old ones: wrong values or a hang. So after an
-exception leaves a call on a world of several ranks, this rank's next call (a counted
-one, or one that checks :func:`in_step`: ``unshard``, ``reduce_grads``, the state dicts, an
-eval step) first settles it (:func:`_settle`): it goes on only if every rank posted an error for the same call at
-the same collective position (each process group's sequence number, and each direct
-link's exchanges): the error was everyone's, raised at one point (a refusal every rank
-makes alike), and the ranks are in step. Otherwise, and after a :class:`RankFailed`, a
-timeout, a lost peer or an interrupt, every later call raises :class:`OutOfStep`, naming
-the first error. Settling reads the store only after a failure; a rank waits up to
-``SETTLE_WAIT`` seconds for its peers' records.
+exception leaves a call on a world of several ranks, this rank's next call (a counted one,
+or one that checks :func:`in_step`: ``unshard``, ``reduce_grads``, the state dicts, an eval
+step) settles it first (:func:`_settle`). It goes on only if every rank posted an error
+(numbered alike: the n-th since the ranks were last in step) in the same call at the same
+point in it (each process group's sequence number and each direct link's exchanges,
+counted from the call's start; about 6 us per call): the same refusal on every rank.
+Otherwise, and after a :class:`RankFailed`, a timeout, a lost peer or an interrupt, every
+later call raises :class:`OutOfStep`, naming the first error. A rank waits up to
+``SETTLE_WAIT`` seconds for its peers' records; each rank keeps its last four posted.
 
 Ranks that make different calls (a step on one, a save on the other) block each other until
 the process-group timeout; then each posts where it was (:func:`calls_differ`) and the
@@ -84,6 +84,9 @@ class _Calls:
         self.failed_seq = None  # the call this rank last raised in (and posted)
         self.lingering = False
         self.spoilt: dict | None = None  # a call that raised here, until settled
+        self.start: dict | None = None  # position() as the current call began
+        self.history: list[dict] = []  # this rank's last posted records, newest last
+        self.errors = 0  # errors posted (numbered alike on ranks in step)
 
 
 CALLS = _Calls()
@@ -124,18 +127,23 @@ def call(what: str):
             _settle(c)
         c.seq += 1
         c.what = what
+        # where this call starts (about 6 us): a record's position counts from here, since
+        # ranks' counts between calls need not agree (point-to-point sends, a rank-0 load)
+        c.start = position() if dist.is_initialized() and dist.get_world_size() > 1 else None
     c.depth += 1
     try:
         yield c.seq
     except BaseException as e:
         if outer and _store() is not None:
             alike = not _peer_caused(e)  # else the run cannot go on: never settled
-            where = position()  # where this rank stopped: its peers' records must match
+            now = position()  # where this rank stopped in the call: peers' must match
+            where = {k: v - (c.start or {}).get(k, 0) for k, v in now.items()}
+            rec = _record(e, where)
             if alike:
-                post(e, where)
+                _post_record(_store(), rec)
             if c.spoilt is None:
                 c.spoilt = {"seq": c.seq, "what": c.what, "alike": alike, "where": where,
-                            "record": _record(e, where) if alike and not c.posted else None,
+                            "n": rec["n"], "record": rec if alike and not c.posted else None,
                             "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         raise
     finally:
@@ -143,21 +151,18 @@ def call(what: str):
 
 
 def in_step() -> None:
-    """Before a collective call that is not counted (``unshard``, ``reduce_grads``,
-    ``state_dict``, ``load_state_dict``, an eval step): refuse as a counted call would."""
+    """Before a collective call that is not counted: settle as a counted call would."""
     if CALLS.spoilt is not None and CALLS.depth == 0:
         _settle(CALLS)
 
 
 def forget() -> None:
-    """Drop this process's unsettled call (the test pool does, between the tasks it runs on
-    ranks it keeps: a task that leaves ranks out of step restarts the pool)."""
-    CALLS.spoilt, CALLS.posted = None, False
+    """Drop this process's errors (the test pool, between tasks on the ranks it keeps)."""
+    CALLS.spoilt, CALLS.posted, CALLS.history, CALLS.errors = None, False, [], 0
 
 
 def _peer_caused(e: BaseException) -> bool:
-    """Another rank's failure, a failed or timed-out collective, an interrupt: an error
-    that ranks do not raise alike at one point."""
+    """Another rank's failure, a failed collective, an interrupt: never raised alike."""
     if isinstance(e, (RankFailed, OutOfStep, PeerLost, KeyboardInterrupt)) or any(
             k.__name__ == "CollectiveTimeout" for k in type(e).__mro__):
         return True
@@ -169,8 +174,7 @@ SETTLE_WAIT = 5.0  # seconds a rank waits for its peers' records of a call that 
 
 
 def _settle(c: _Calls, wait: float | None = None) -> None:
-    """Before this rank's next call: go on if every rank raised alike in the spoilt call
-    (mark its record settled), else raise :class:`OutOfStep`."""
+    """Go on if every rank raised alike (its record marked settled), else OutOfStep."""
     bad, store = c.spoilt, _store()
     if bad["record"] is not None and store is not None:  # the store refused it then (a
         _post_record(store, bad["record"])  # full disk under a FileStore): once more
@@ -193,24 +197,24 @@ def _settle(c: _Calls, wait: float | None = None) -> None:
 
 
 def _every_rank_alike(store, bad: dict, wait: float | None) -> str:
-    """'' when every other rank posted a record of an error where this rank raised ``bad``
-    (the same count of collectives on every process group both use; where torch gives no
-    counts, the same call); else which ranks did not, and where they stood."""
+    """'' when every other rank posted its ``n``-th error where this rank raised ``bad``: as
+    many collectives into the call on every process group both use (where torch gives no
+    counts, in the same call); else which ranks did not, and where they stood."""
     me, world = dist.get_rank(), dist.get_world_size()
     here, seq, todo, seen = bad["where"], bad["seq"], set(range(world)) - {me}, {}
     end = time.monotonic() + (SETTLE_WAIT if wait is None else wait)
     while True:
         for r in sorted(todo):
             try:
-                rec = json.loads(store.get(_key("failed", r))) if store.check(
-                    [_key("failed", r)]) else None
+                recs = _history(store, r)
             except Exception:  # noqa: BLE001 - a dead store: not settled
                 return "the store is gone"
+            rec = next((x for x in recs if x.get("n") == bad["n"]), None)
             theirs = (rec or {}).get("position", {})
             shared = [k for k in here if k in theirs]
             if rec is not None and (all(theirs[k] == here[k] for k in shared) if shared
                                     else rec.get("seq") == seq):
-                todo.discard(r)  # else not posted yet, or an earlier error's record
+                todo.discard(r)  # else not posted yet, or another error's record
             seen[r] = {k: theirs[k] for k in shared}
         if not todo:
             return ""
@@ -221,9 +225,18 @@ def _every_rank_alike(store, bad: dict, wait: float | None) -> str:
         time.sleep(0.02)
 
 
+def _history(store, r: int) -> list[dict]:
+    """Rank ``r``'s posted records, newest last (none: [])."""
+    if not store.check([_key("failed", r)]):
+        return []
+    got = json.loads(store.get(_key("failed", r)))
+    return got if isinstance(got, list) else [got]
+
+
 def position() -> dict[str, int]:
     """The collectives this rank has issued, per process group by name (c10d's sequence
-    numbers, feature-detected; a direct link's exchanges): alike on ranks in step."""
+    numbers, feature-detected; a direct link's exchanges); a call adds alike to every rank's
+    counts."""
     from . import cma_link
     out: dict[str, int] = {}
     c10d = dist.distributed_c10d
@@ -250,26 +263,23 @@ def _key(kind: str, rank: int) -> str:
     return f"{PREFIX}{kind}/{rank}"
 
 
-def post(e: BaseException, where: dict | None = None) -> None:
-    """Post this rank's exception (and its :func:`position`) for its peers (never raises)."""
-    store = _store()
-    if store is not None:
-        _post_record(store, _record(e, position() if where is None else where))
-
-
 def _record(e: BaseException, where: dict) -> dict:
-    """What a rank posts of its exception: no reference to it (its frames may hold memory
-    that a caller who caught it wants back, e.g. after an out-of-memory error)."""
+    """A posted error, with no reference to it (its frames may hold memory an OOM's
+    catcher wants back)."""
     return {"rank": dist.get_rank(), "seq": CALLS.seq, "what": CALLS.what,
             "type": type(e).__name__, "message": " ".join(str(e).split())[:1500],
-            "position": where}
+            "position": where, "n": CALLS.errors + 1}
 
 
 def _post_record(store, rec: dict) -> None:
+    """Post ``rec`` with this rank's last three (a fast rank's next error must not hide
+    this one from a slow peer still settling it)."""
+    history = [*CALLS.history[-3:], rec]
     try:
-        store.set(_key("failed", rec["rank"]), json.dumps(rec))
+        store.set(_key("failed", rec["rank"]), json.dumps(history))
     except Exception:  # noqa: BLE001 - a dead store: peers fall back to the backend's words
         return
+    CALLS.history, CALLS.errors = history, rec["n"]
     CALLS.posted, CALLS.failed_seq = True, rec["seq"]
     if _hosts_store() and not CALLS.lingering:
         CALLS.lingering = True
@@ -309,9 +319,10 @@ def records(store=None, *, shared: bool = True) -> list[dict]:
         if r == me:
             continue
         try:
-            if not store.check([_key("failed", r)]):
+            recs = _history(store, r)
+            if not recs:
                 continue
-            rec = json.loads(store.get(_key("failed", r)))
+            rec = recs[-1]
         except Exception:  # noqa: BLE001 - the store is gone with its host
             continue
         if not shared and rec.get("seq") == CALLS.failed_seq:
