@@ -18,7 +18,6 @@ try:
 except ImportError:  # not on Windows
     resource = None
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .._ranks import _timeout
@@ -29,9 +28,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted; nothing was loaded."""
 
 
-# The process group's failures: a peer that timed out, died, or closed its connection.
-COMM_ERRORS = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError",
-                                               "DistStoreError") if hasattr(dist, n))
+COMM_ERRORS = failures.BACKEND_ERRORS  # a peer that timed out, died, or hung up
 
 _ERRNO = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
           errno.EFBIG: "a file size limit is reached"}

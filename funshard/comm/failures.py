@@ -52,6 +52,9 @@ import time
 import torch.distributed as dist
 
 PREFIX = "funshard/"
+# the process group's own failures (feature-detected): a peer timed out, died or hung up
+BACKEND_ERRORS = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError",
+                                                  "DistStoreError") if hasattr(dist, n))
 
 
 class RankFailed(RuntimeError):
@@ -134,17 +137,15 @@ def call(what: str):
     try:
         yield c.seq
     except BaseException as e:
-        if outer and _store() is not None:
+        store = _store() if outer else None
+        if store is not None:
             alike = not _peer_caused(e)  # else the run cannot go on: never settled
             now = position()  # where this rank stopped in the call: peers' must match
-            where = {k: v - (c.start or {}).get(k, 0) for k, v in now.items()}
-            rec = _record(e, where)
+            rec = _record(e, {k: v - (c.start or {}).get(k, 0) for k, v in now.items()})
             if alike:
-                _post_record(_store(), rec)
-            if c.spoilt is None:
-                c.spoilt = {"seq": c.seq, "what": c.what, "alike": alike, "where": where,
-                            "n": rec["n"], "record": rec if alike and not c.posted else None,
-                            "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                _post_record(store, rec)
+            if c.spoilt is None:  # ``unposted``: the store refused it (posted when settling)
+                c.spoilt = {"rec": rec, "alike": alike, "unposted": alike and not c.posted}
         raise
     finally:
         c.depth -= 1
@@ -163,11 +164,8 @@ def forget() -> None:
 
 def _peer_caused(e: BaseException) -> bool:
     """Another rank's failure, a failed collective, an interrupt: never raised alike."""
-    if isinstance(e, (RankFailed, OutOfStep, PeerLost, KeyboardInterrupt)) or any(
-            k.__name__ == "CollectiveTimeout" for k in type(e).__mro__):
-        return True
-    return isinstance(e, tuple(getattr(dist, n) for n in (
-        "DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, n)))
+    return isinstance(e, (RankFailed, OutOfStep, PeerLost, KeyboardInterrupt, *BACKEND_ERRORS)
+                      ) or any(k.__name__ == "CollectiveTimeout" for k in type(e).__mro__)
 
 
 SETTLE_WAIT = 5.0  # seconds a rank waits for its peers' records of a call that raised
@@ -176,32 +174,35 @@ SETTLE_WAIT = 5.0  # seconds a rank waits for its peers' records of a call that 
 def _settle(c: _Calls, wait: float | None = None) -> None:
     """Go on if every rank raised alike (its record marked settled), else OutOfStep."""
     bad, store = c.spoilt, _store()
-    if bad["record"] is not None and store is not None:  # the store refused it then (a
-        _post_record(store, bad["record"])  # full disk under a FileStore): once more
-        bad["record"], bad["alike"] = None, c.posted
-    apart = "" if store is None else _every_rank_alike(store, bad, wait) if bad[
+    rec = bad["rec"]
+    if bad["unposted"] and store is not None:  # a full disk under a FileStore: once more
+        _post_record(store, rec)
+        bad["unposted"], bad["alike"] = False, c.posted
+    apart = "" if store is None else _every_rank_alike(store, rec, wait) if bad[
         "alike"] else "that error was another rank's failure, a collective's or an interrupt"
     if not apart:
         with contextlib.suppress(Exception):
             if store is not None:
-                store.set(_key("settled", dist.get_rank()), str(bad["seq"]))
+                store.set(_key("settled", dist.get_rank()), str(rec["seq"]))
         c.spoilt, c.posted = None, False
         return
     raise OutOfStep(
         f"funshard: rank {dist.get_rank()} cannot make another funshard call: its call "
-        f"{bad['seq']}, {bad['what']}, raised {bad['error']}; the other ranks did not raise "
+        f"{rec['seq']}, {rec['what']}, raised {rec['type']}: {rec['message'][:300]}; the "
+        "other ranks did not raise "
         f"alike there ({apart}), so they may still wait inside its collectives (or have "
         "updated where this rank did not), and another call would pair this rank's "
         "collectives with theirs. The run cannot go on: end every process, fix the cause "
         "and resume from the last checkpoint.")
 
 
-def _every_rank_alike(store, bad: dict, wait: float | None) -> str:
-    """'' when every other rank posted its ``n``-th error where this rank raised ``bad``: as
-    many collectives into the call on every process group both use (where torch gives no
-    counts, in the same call); else which ranks did not, and where they stood."""
+def _every_rank_alike(store, mine: dict, wait: float | None) -> str:
+    """'' when every other rank posted its ``n``-th error where this rank raised ``mine``
+    (its record): as many collectives into the call on every process group both use (where
+    torch gives no counts, in the same call); else which ranks did not, and where they
+    stood."""
     me, world = dist.get_rank(), dist.get_world_size()
-    here, seq, todo, seen = bad["where"], bad["seq"], set(range(world)) - {me}, {}
+    here, seq, todo, seen = mine["position"], mine["seq"], set(range(world)) - {me}, {}
     end = time.monotonic() + (SETTLE_WAIT if wait is None else wait)
     while True:
         for r in sorted(todo):
@@ -209,7 +210,7 @@ def _every_rank_alike(store, bad: dict, wait: float | None) -> str:
                 recs = _history(store, r)
             except Exception:  # noqa: BLE001 - a dead store: not settled
                 return "the store is gone"
-            rec = next((x for x in recs if x.get("n") == bad["n"]), None)
+            rec = next((x for x in recs if x.get("n") == mine["n"]), None)
             theirs = (rec or {}).get("position", {})
             shared = [k for k in here if k in theirs]
             if rec is not None and (all(theirs[k] == here[k] for k in shared) if shared
@@ -357,9 +358,7 @@ def explain(e: BaseException | None, where: str, *, waiting: bool = False) -> Ra
 
 def is_comm_failure(e: BaseException) -> bool:
     """A backend error of a collective: a peer gone, a closed connection, a timeout."""
-    errs = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError",
-                                            "DistStoreError") if hasattr(dist, n))
-    if isinstance(e, errs):
+    if isinstance(e, BACKEND_ERRORS):
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(
