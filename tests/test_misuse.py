@@ -283,8 +283,6 @@ def unsupported(spec, what):
             torch.func.functional_call(ckpt, p, (b[0],)), b[1]),
         "checkpoint_reentrant": lambda p, b: torch.nn.functional.mse_loss(
             torch.func.functional_call(ckpt, p, (b[0].requires_grad_(),)), b[1]),
-        "saved_tensors_hooks": lambda p, b: torch.nn.functional.mse_loss(
-            _under_hooks(lambda: out(p, b[0])), b[1]),
         "custom_function": lambda p, b: Mul.apply(b[0], p["0.weight"]).pow(2).mean(),
         "in_place": in_place,
         "in_place_frozen": in_place,
@@ -298,10 +296,6 @@ def unsupported(spec, what):
 
         def forward(self, x):
             return checkpoint(self.net, x, use_reentrant=what == "checkpoint_reentrant")
-
-    def _under_hooks(fn):
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            return fn()
 
     ckpt = Checkpointed()
     if what.startswith("checkpoint"):
@@ -324,8 +318,6 @@ def unsupported(spec, what):
 UNSUPPORTED = {
     "checkpoint": "Call the module with fs.call(model, params, *args)",
     "checkpoint_reentrant": "Call the module with fs.call(model, params, *args)",
-    "saved_tensors_hooks": "parameter '0.weight' was first used under saved-tensor hooks other "
-                           "than the step's",
     "custom_function": "a custom torch.autograd.Function's forward",
     "in_place": "loss_fn wrote into parameter '2.bias' in place",
     "in_place_frozen": "loss_fn wrote into parameter '0.bias' in place",

@@ -30,7 +30,6 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from .. import comm, pytree
@@ -219,7 +218,7 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
             tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
         else:
             tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
-            hooks = saved_tensors_hooks(run.saved.pack, run.saved.unpack)
+            hooks = run.saved.hooks()  # over the caller's, if theirs are on top
         if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
             tree = (tree, bufs)
         try:

@@ -103,6 +103,9 @@ class Group:
         self.lazies: list | None = None
         self.bound_version: list[int] = [0] * len(self.idx)
         self.ended = False  # backward is done with it (its gradients are complete)
+        # the caller's saved-tensor hooks may hold its storage: resident until backward is
+        # done with it ([Note: hooks beneath the step's] in .saved)
+        self.pinned = False
         self.local = comm.skips(params.world)  # a world of one: a gather is a cast (_cast)
 
     @property
@@ -338,6 +341,8 @@ class Group:
     def unbind(self, k: int) -> bool:
         """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
         False when something else still holds its full tensor: then it stays gathered."""
+        if self.pinned and not self.ended:
+            return False
         shell = self.lazies[k] if self.lazies is not None else None
         if shell is None:
             return True

@@ -124,8 +124,10 @@ class LazyParam(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(
-            f"funshard: {func} reached a lazy parameter below autograd; call it through torch "
-            "functions (this is a funshard bug if it came from a plain torch op)"
+            f"funshard: {func} reached a lazy parameter below autograd: a parameter kept by "
+            "saved-tensor hooks entered after its group's first use and left before any "
+            "parameter's first use under them (enter them earlier: [Note: hooks beneath the "
+            "step's]), or a funshard bug if it came from a plain torch op"
         )
 
     def __repr__(self):
@@ -210,42 +212,40 @@ def path_of(x) -> str:
     return x._run.params.layouts[x._run.params.members[x._gi][x._k]].path
 
 
-
-# torch's stack of saved-tensor hooks (private; present in every supported torch)
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
-    """A first use the step cannot follow is refused by name, not trained wrong: under
-    saved-tensor hooks other than the step's and activation checkpointing's (they would
-    keep gathered storage the step frees), or in a custom autograd Function's forward (it
-    received the stand-in itself: the parameter's gradient would bypass the step's
-    reduction). Elsewhere under no_grad (the user's own, a reentrant checkpoint region's
-    forward) the op just takes no gradient. Returns whether the group must enter autograd
-    under grad mode (the op runs under no_grad)."""
-    hooks = _top_hooks(False) if _top_hooks is not None else None
-    if hooks is not None and getattr(hooks[0], "__self__", None) is not run.saved:
-        if recompute.is_checkpoint_hook(hooks[0]):
+    """A first use the step cannot follow is refused by name, not trained wrong: in a custom
+    autograd Function's forward (it received the stand-in itself: the parameter's gradient
+    would bypass the step's reduction). Elsewhere under no_grad (the user's own, a reentrant
+    checkpoint region's forward) the op just takes no gradient. Under the caller's own
+    saved-tensor hooks the step's go over them ([Note: hooks beneath the step's] in
+    :mod:`.saved`). Returns whether the group must enter autograd under grad mode (the op
+    runs under no_grad)."""
+    top = run.saved.foreign_top()
+    if top is not None:
+        if recompute.is_checkpoint_hook(top[0]):
             run.checkpointing = True
             return False
-        what = ("saved-tensor hooks other than the step's and activation checkpointing's "
-                "(torch.autograd.graph.saved_tensors_hooks, save_on_cpu)")
-    elif not torch.is_grad_enabled():
-        # the group enters autograd with grad on all the same (its other leaves may train)
-        if not any(x.requires_grad for x in lazies):
-            return True
-        if recompute.in_reentrant_forward():
-            run.checkpointing = True
-            return True
-        if not recompute.in_function_forward():  # the user's own no_grad: this op takes no grad
-            return True
-        what = "a custom torch.autograd.Function's forward"
-    else:
+        if not run.saved.adopt(top):
+            raise NotImplementedError(
+                f"train_step: parameter {path_of(lazies[0])!r} was first used under "
+                "saved-tensor hooks other than the step's (this torch has no way to put the "
+                "step's over them); use it once before entering them.")
+    if torch.is_grad_enabled():
         return False
+    # the group enters autograd with grad on all the same (its other leaves may train)
+    if not any(x.requires_grad for x in lazies):
+        return True
+    if recompute.in_reentrant_forward():
+        run.checkpointing = True
+        return True
+    if not recompute.in_function_forward():  # the user's own no_grad: this op takes no grad
+        return True
     raise NotImplementedError(
-        f"train_step: parameter {path_of(lazies[0])!r} was first used under {what}, where the "
-        "step cannot follow it: a custom autograd Function would take the parameter past the "
-        "step's gradient reduction, and other saved-tensor hooks would keep gathered storage "
-        "the step frees. Use the parameter through a plain torch op first (a Function then "
-        "receives a plain tensor), or p.detach() to use it without its gradient."
+        f"train_step: parameter {path_of(lazies[0])!r} was first used under a custom "
+        "torch.autograd.Function's forward, where the step cannot follow it: the Function "
+        "would take the parameter past the step's gradient reduction. Use the parameter "
+        "through a plain torch op first (a Function then receives a plain tensor), or "
+        "p.detach() to use it without its gradient."
     )
 
 

@@ -273,6 +273,7 @@ class Run:
         self.saved.prefetch_when_done = None
         for g in self.groups:
             g.finish_gather()  # a prefetch nobody used
+            g.pinned = False
             g.free()
             if g.state is S.ALIASED:  # never freed: its in-place check is made here
                 g.unbind_all()

@@ -28,14 +28,39 @@ _SAVE_INPUTS = getattr(getattr(getattr(_ckpt, "_CheckpointFrame", None), "save_i
 _NOOP_SAVE = getattr(_ckpt, "_NoopSaveInputs", None)
 _APPLY = torch.autograd.Function.apply.__func__.__code__
 _REENTRANT = getattr(_ckpt, "CheckpointFunction", None)  # use_reentrant=True's Function
+# torch's stack of saved-tensor hooks (private; present in every supported torch)
+_A = torch._C._autograd
+_TOP = getattr(_A, "_top_saved_tensors_default_hooks", None)
+_PUSH = getattr(_A, "_push_saved_tensors_default_hooks", None)
+_POP = getattr(_A, "_pop_saved_tensors_default_hooks", None)
+
+# [Note: hooks beneath the step's]
+#
+# Autograd calls only the saved-tensor hooks on top of its stack. A caller's own hooks
+# (torch.autograd.graph.save_on_cpu, an activation-offloading context) around the model
+# would take the gathered parameters the step frees and gathers again, and the step's
+# around loss_fn would hide the caller's activations from them. So the two compose: where
+# the caller's hooks are on top when the step begins, or when a parameter is first used
+# under them, the step puts :class:`Beneath` in their place (their context's exit pops it).
+# A tensor on a gathered group's storage is the step's (gathered again for backward, never
+# copied); every other tensor goes to the caller's hooks, as it would without funshard. A
+# group resident when the caller's hooks are taken over may have been saved by them
+# already, on ops that used it bound: it stays resident until its backward is done. Not
+# covered: the caller's hooks entered after a group's first use and left before any first
+# use under them, which keep that group's parameter (itself, or a view) rather than a copy:
+# the step never sees them, so backward gets the parameter's empty stand-in, or reads freed
+# storage (an error, not a wrong gradient). The other way, FSDP2's (the caller's hooks
+# take everything: save_on_cpu copies each gathered parameter to the host and back), moves
+# a parameter's bytes over PCIe twice per use where the step gathers it again once.
 
 
 @untraced
-def _checkpoint_saving() -> int:
+def _checkpoint_saving(depth: int) -> int:
     """What saves the tensor being packed: 1, a non-reentrant checkpoint region's inputs (a
     region whose saved tensors bypass the step's hooks begins); 2, a reentrant region's
-    ``CheckpointFunction`` its inputs; 0, anything else (about 0.3 us per saved tensor)."""
-    f = sys._getframe(2)  # the Python code that made autograd save a tensor
+    ``CheckpointFunction`` its inputs; 0, anything else (about 0.3 us per saved tensor).
+    ``depth``: frames from here to the code that made autograd save the tensor."""
+    f = sys._getframe(depth)
     for _ in range(2):  # a comprehension's frame (Python 3.11), then its function
         if f is None:
             return 0
@@ -62,8 +87,8 @@ class SavedParams:
         self.checkpointed = False  # a checkpoint region (either kind) began in forward
 
     @untraced
-    def pack(self, t: torch.Tensor):
-        saver = _checkpoint_saving()
+    def pack(self, t: torch.Tensor, depth: int = 2):
+        saver = _checkpoint_saving(depth)
         entering = saver == 1
         if saver:  # see recompute.checkpointed
             self.checkpointed = True
@@ -84,6 +109,38 @@ class SavedParams:
         # tensor, so the stand-in can always be unbound (see [Note: binding] in .lazy)
         # (a checkpoint region's input is handed to its recompute: see Run.recompute_leaf)
         return (group.gi, k, t.detach(), entering)
+
+    def owns(self, pack) -> bool:
+        """Whether ``pack`` is the step's (its own, or :class:`Beneath`'s)."""
+        owner = getattr(pack, "__self__", None)
+        return owner is self or getattr(owner, "saved", None) is self
+
+    def foreign_top(self):
+        """The (pack, unpack) on top of autograd's stack when not the step's, else None."""
+        top = _TOP(False) if _TOP is not None else None
+        return None if top is None or self.owns(top[0]) else top
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The step's hooks around ``loss_fn``, over the caller's if theirs are on top."""
+        top = self.foreign_top()
+        if top is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        over = Beneath(self, *top)
+        return torch.autograd.graph.saved_tensors_hooks(over.pack, over.unpack)
+
+    def adopt(self, top) -> bool:
+        """A parameter's first use under the caller's hooks ``top``: the step's go over
+        them; groups resident now stay so until their backward ([Note: hooks beneath the
+        step's]). False when torch offers no way to (the caller's hooks stay: refuse)."""
+        if _PUSH is None or _POP is None:
+            return False
+        over = Beneath(self, *top)
+        _POP()
+        _PUSH(over.pack, over.unpack)
+        for g in self.run.groups:
+            if g.resident:
+                g.pinned = True
+        return True
 
     def _pack_stand_in(self, t, entering: bool):
         """A checkpoint region's input (non-reentrant) is handed to its recompute as the
@@ -163,3 +220,32 @@ class SavedParams:
         # autograd nodes: they reach every ctx in the graph; the run: it holds this object,
         # and without the cycle it is freed when dropped, not by the garbage collector
         self.node = self.prefetch_when_done = self.run = None
+
+
+class _Theirs:
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+class Beneath:
+    """The step's saved-tensor hooks over the caller's (``below``): see [Note: hooks
+    beneath the step's]."""
+
+    __slots__ = ("saved", "below_pack", "below_unpack")
+
+    def __init__(self, saved: SavedParams, pack, unpack):
+        self.saved, self.below_pack, self.below_unpack = saved, pack, unpack
+
+    @untraced
+    def pack(self, t: torch.Tensor):
+        packed = self.saved.pack(t, 3)
+        return packed if packed is not t else _Theirs(self.below_pack(t))
+
+    @untraced
+    def unpack(self, packed):
+        if type(packed) is _Theirs:
+            self.saved.unpack(None)  # a node moved on: the step's prefetch looks
+            return self.below_unpack(packed.packed)
+        return self.saved.unpack(packed)

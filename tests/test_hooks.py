@@ -1,0 +1,159 @@
+"""The caller's own saved-tensor hooks (save_on_cpu, an activation-offloading context) around
+the model or around the step: the step's go over them, so a gathered parameter stays the
+step's and every other saved tensor is theirs, and training is what it is without them. See
+[Note: hooks beneath the step's] in funshard.step.saved."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard.step.lazy import LazyParam
+from funshard.testing import mesh
+from funshard.testing.models import MLP
+
+POLICIES = {"full_shard": {}, "shard_grad_op": {"reshard_after_forward": False},
+            "bf16": {"param_dtype": torch.bfloat16}, "accumulate": {"accumulate": 2},
+            "checkpoint": {"checkpoint": True}}
+WHERE = ("model", "step", "bound")
+KINDS = ("save_on_cpu", "detach", "keep")
+BOUND = "layers.0.0.weight"  # a group forward frees (FULL_SHARD) before backward
+
+
+def _model():
+    torch.manual_seed(0)
+    return MLP(dim=5, hidden=7, layers=3, out=3)
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+class Theirs:
+    """The caller's hooks of ``kind``, counting what they are given and how much of it lies
+    on a parameter's storage as ``loss_fn`` holds it (a gathered one: the step's)."""
+
+    def __init__(self, kind):
+        self.kind, self.params, self.packed, self.on_params = kind, {}, 0, 0
+
+    def __call__(self):
+        if self.kind == "save_on_cpu":
+            inner = torch.autograd.graph.save_on_cpu()
+            pack, unpack = inner.pack_hook, inner.unpack_hook
+        elif self.kind == "detach":  # a new tensor on the same storage
+            pack, unpack = (lambda t: t.detach()), (lambda t: t)
+        else:  # the tensor itself
+            pack, unpack = (lambda t: t), (lambda t: t)
+
+        def counted(t):
+            self.packed += 1
+            ptr = t.untyped_storage().data_ptr()
+            self.on_params += any(not isinstance(v, LazyParam) and
+                                  v.untyped_storage().data_ptr() == ptr
+                                  for v in self.params.values())
+            return pack(t)
+        return torch.autograd.graph.saved_tensors_hooks(counted, unpack)
+
+
+def _forward(model, p, x, theirs, where):
+    """The model's output with ``theirs`` around it (``model``), or around a forward that
+    used the first group before them and again under them before any first use there
+    (``bound``); ``step``: the hooks are around the step call."""
+    theirs.params = p
+    if where == "step":
+        return fs.call(model, p, x)
+    z = 0
+    if where == "bound":
+        z = (p[BOUND] * 0).sum()  # its group gathered, bound
+    with theirs():
+        if where == "bound":  # an op on it that their hooks save: no first use to see
+            z = z + (p[BOUND] * p[BOUND]).sum() * 0  # saved twice, before the step sees them
+        return fs.call(model, p, x) + z
+
+
+def hooked(spec, policy, where, kind):
+    """Parameters after three steps with the caller's hooks and without (the same run), and
+    what the hooks were given: (tensors, tensors on a parameter's storage)."""
+    model = _model()
+    theirs = Theirs(kind)
+    ends = []
+    for hooks in (True, False):
+        def loss_fn(p, b):
+            if not hooks:
+                return F.mse_loss(fs.call(model, p, b[0]).float(), b[1])
+            return F.mse_loss(_forward(model, p, b[0], theirs, where).float(), b[1])
+        step = fs.train_step(loss_fn, fs.optim.adamw(lr=0.05), policy=fs.Policy(**policy))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        for b in _batches(3):
+            if hooks and where == "step":
+                with theirs():
+                    state, _ = step(state, b)
+            else:
+                state, _ = step(state, b)
+        ends.append(fs.unshard(state.params))
+    same = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    return same, theirs.packed, theirs.on_params
+
+
+def plain_packs(spec, kind, where):
+    """What the same hooks are given around one process's forward (``model``), or forward
+    and loss (``step``), over a plain module, per step: (tensors, on a parameter's
+    storage)."""
+    model = _model()
+    theirs = Theirs(kind)
+    theirs.params = dict(model.named_parameters())
+    x, y = _batches(1)[0]
+    with theirs():
+        out = model(x)
+        if where == "step":
+            out = F.mse_loss(out, y)
+    F.mse_loss(out, y).backward() if where == "model" else out.backward()
+    return theirs.packed, theirs.on_params
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_the_callers_hooks_change_nothing_and_never_get_a_gathered_parameter(pools, spec,
+                                                                          policy):
+    """Around the model, around the step, and after a group was used bound before them:
+    the same parameters, bit for bit, as the same run without them; their pack gets
+    activations, and a gathered parameter only where an op on it came before any first use
+    under them (that group then stays gathered until its backward)."""
+    early = 2 * 3 * POLICIES[policy].get("accumulate", 1)  # per micro-batch, two saves
+    for where in WHERE:
+        for kind in KINDS:
+            for rank, (same, packed, on_params) in enumerate(
+                    pools.run(spec, hooked, POLICIES[policy], where, kind)):
+                at = (where, kind, rank)
+                assert same, at
+                assert packed > 0, at
+                # bound: the saves that came before the step's hooks went over theirs
+                assert on_params == (early if where == "bound" else 0), (*at, on_params)
+
+
+def test_the_callers_hooks_get_every_activation_a_plain_step_gives_them(pools):
+    """2 ranks, FULL_SHARD: their pack gets exactly the saved tensors it gets on a plain
+    module in one process, less the parameters."""
+    for where in ("model", "step"):
+        plain, on_params = pools.run(1, plain_packs, "keep", where)[0]
+        assert on_params > 0  # a plain module's weights reach them: the comparison has teeth
+        for same, packed, _ in pools.run(2, hooked, {}, where, "keep"):
+            assert same and packed == 3 * (plain - on_params), (where, packed, plain, on_params)
+
+
+def first_use_under_hooks_is_a_stand_in(spec):
+    """The parameters loss_fn gets on 2 ranks are stand-ins (the case these tests are for)."""
+    seen = []
+
+    def loss_fn(p, b):
+        seen.append(isinstance(p["inp.weight"], LazyParam))
+        return F.mse_loss(fs.call(model, p, b[0]), b[1])
+    model = _model()
+    step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1))
+    step(step.init(fs.shard(fs.params(model), mesh(spec))), _batches(1)[0])
+    return seen
+
+
+def test_these_tests_meet_stand_ins(pools):
+    assert pools.run(2, first_use_under_hooks_is_a_stand_in) == [[True], [True]]
