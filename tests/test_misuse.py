@@ -284,6 +284,8 @@ def unsupported(spec, what):
         "checkpoint_reentrant": lambda p, b: torch.nn.functional.mse_loss(
             torch.func.functional_call(ckpt, p, (b[0].requires_grad_(),)), b[1]),
         "custom_function": lambda p, b: Mul.apply(b[0], p["0.weight"]).pow(2).mean(),
+        # functional_call does not cast the input to Policy(param_dtype=): fs.call does
+        "uncast_input": lambda p, b: torch.nn.functional.mse_loss(out(p, b[0]).float(), b[1]),
         "in_place": in_place,
         "in_place_frozen": in_place,
         "batchnorm_buffers": lambda p, b: torch.nn.functional.mse_loss(out(p, b[0]), b[1]),
@@ -306,7 +308,8 @@ def unsupported(spec, what):
     if what == "batchnorm_buffers":
         tree = {**tree, "1.running_mean": model[1].running_mean,
                 "1.running_var": model[1].running_var}
-    step = fs.train_step(losses[what], fs.optim.sgd(lr=0.1))
+    policy = fs.Policy(param_dtype=torch.bfloat16 if what == "uncast_input" else None)
+    step = fs.train_step(losses[what], fs.optim.sgd(lr=0.1), policy=policy)
     state = step.init(fs.shard(tree, m))
     before = _locals(state)
     g = torch.Generator().manual_seed(1)
@@ -319,6 +322,8 @@ UNSUPPORTED = {
     "checkpoint": "Call the module with fs.call(model, params, *args)",
     "checkpoint_reentrant": "Call the module with fs.call(model, params, *args)",
     "custom_function": "a custom torch.autograd.Function's forward",
+    "uncast_input": "met parameter '0.weight', cast to Policy(param_dtype=torch.bfloat16), and "
+                    "a tensor of another dtype",
     "in_place": "loss_fn wrote into parameter '2.bias' in place",
     "in_place_frozen": "loss_fn wrote into parameter '0.bias' in place",
     "batchnorm_buffers": "'1.running_mean' is a BatchNorm running statistic",

@@ -195,7 +195,19 @@ def _first_use(func, args: tuple, kwargs: dict):
     except RuntimeError as e:  # autograd forbids writing into a trainable one
         if "modified inplace" in str(e) or "used in an in-place operation" in str(e):
             raise in_place_error(path, func) from e
+        dt = run.policy.param_dtype
+        if dt is not None and any(m in str(e) for m in _DTYPE_CLASH):
+            raise RuntimeError(
+                f"train_step: {getattr(func, '__name__', func)} met parameter {path!r}, cast "
+                f"to Policy(param_dtype={dt}), and a tensor of another dtype ({e}). Call the "
+                "model with fs.call(model, params, *args), which casts floating-point inputs "
+                "to it (as FSDP2's cast_forward_inputs), or cast them yourself.") from e
         raise
+
+
+# what torch says when an op's tensors disagree in dtype (matmul, linear, conv, embedding)
+_DTYPE_CLASH = ("must have the same dtype", "should be the same", "expected scalar type",
+                "to have the same dtype")
 
 
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
