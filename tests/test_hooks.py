@@ -157,3 +157,52 @@ def first_use_under_hooks_is_a_stand_in(spec):
 
 def test_these_tests_meet_stand_ins(pools):
     assert pools.run(2, first_use_under_hooks_is_a_stand_in) == [[True], [True]]
+
+
+def compiled_under_hooks(spec, where):
+    """torch.compile(loss_fn) (aot_eager) with save_on_cpu around the model inside it, or
+    around the step call: parameters against one process's under the same hooks."""
+    import copy
+    import gc
+
+    import torch.distributed as dist
+
+    from funshard.testing.models import GPT, gpt_loss
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=16, heads=2, layers=3, seq=8)
+    ref = copy.deepcopy(model)
+    inner = gpt_loss(model)
+
+    def loss_fn(p, b):
+        if where == "step":
+            return inner(p, b)
+        with torch.autograd.graph.save_on_cpu():
+            return inner(p, b)
+    step = fs.train_step(torch.compile(loss_fn, backend="aot_eager"), fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        idx, tgt = (torch.randint(0, 32, (world * 2, 8), generator=g) for _ in range(2))
+        mine = slice(rank * 2, rank * 2 + 2)
+        with torch.autograd.graph.save_on_cpu() if where == "step" else torch.enable_grad():
+            state, _ = step(state, (idx[mine], tgt[mine]))
+        opt.zero_grad()
+        with torch.autograd.graph.save_on_cpu():
+            loss = sum(gpt_loss(ref)(dict(ref.named_parameters()), c)
+                       for c in zip(idx.split(2), tgt.split(2))) / world
+        loss.backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    torch._dynamo.reset()  # the compiled frames let go of this step's stand-ins
+    gc.collect()
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("where", ["model", "step"])
+def test_a_compiled_loss_fn_under_the_callers_hooks_trains_as_one_process(pools, where):
+    for err in pools.run(2, compiled_under_hooks, where, timeout=300):
+        assert err < 1e-6, err
