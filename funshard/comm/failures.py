@@ -235,15 +235,19 @@ def _history(store, r: int) -> list[dict]:
 
 
 def position() -> dict[str, int]:
-    """The collectives this rank has issued, per process group by name (c10d's sequence
-    numbers, feature-detected; a direct link's exchanges); a call adds alike to every rank's
-    counts."""
+    """The collectives this rank has issued, per process group (c10d's sequence numbers,
+    feature-detected) and direct link; a call adds alike to every rank's counts."""
     from . import cma_link
     out: dict[str, int] = {}
     c10d = dist.distributed_c10d
     for pg, name in list(getattr(getattr(c10d, "_world", None), "pg_names", {}).items()):
+        # each backend of "cpu:gloo,cuda:nccl" counts its own (the group's: its default's)
         with contextlib.suppress(Exception):
-            out[f"pg {name}"] = int(pg._get_sequence_number_for_group())
+            devices = getattr(pg, "_device_types", ())
+            per = ({pg._get_backend(d): f" {d.type}" for d in devices} if len(devices) > 1
+                   else {pg: ""})
+            for b, dev in per.items():
+                out[f"pg {name}{dev}"] = int(b._get_sequence_number_for_group())
     for name, (posted, _) in cma_link.positions().items():
         out[f"link {name}"] = int(posted)
     return out
