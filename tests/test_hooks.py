@@ -206,3 +206,63 @@ def compiled_under_hooks(spec, where):
 def test_a_compiled_loss_fn_under_the_callers_hooks_trains_as_one_process(pools, where):
     for err in pools.run(2, compiled_under_hooks, where, timeout=300):
         assert err < 1e-6, err
+
+
+def llama_checkpointed_under_hooks(spec, reentrant):
+    """Hugging Face Llama with gradient_checkpointing_enable() (either mode) and save_on_cpu
+    around it: the same parameters, bit for bit, as without the hooks."""
+    import torch.distributed as dist
+
+    from test_ac import _llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ends = []
+    for hooks in (True, False):
+        model = _llama(reentrant)
+
+        def loss_fn(p, ids):
+            with torch.autograd.graph.save_on_cpu() if hooks else torch.enable_grad():
+                return fs.call(model, p, input_ids=ids, labels=ids).loss
+        step = fs.train_step(loss_fn, fs.optim.adamw(lr=0.01))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            state, _ = step(state, torch.randint(0, 64, (world * 2, 8), generator=g)[
+                rank * 2:rank * 2 + 2])
+        ends.append(fs.unshard(state.params))
+    return all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_llama_under_the_callers_hooks_trains_as_without(pools, reentrant):
+    assert pools.run(2, llama_checkpointed_under_hooks, reentrant, timeout=300) == [True] * 2
+
+
+def region_input_under_hooks(spec):
+    """A parameter no op has used yet given to a non-reentrant checkpoint region as its
+    input, under save_on_cpu the step has already gone over: as without the hooks (the
+    step's hooks see the region begin through theirs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    tree = {"a": torch.randn(6, 5).requires_grad_(), "b": torch.randn(4, 6).requires_grad_()}
+    ends = []
+    for hooks in (True, False):
+        def loss_fn(p, batch):
+            x, y = batch
+            with torch.autograd.graph.save_on_cpu() if hooks else torch.enable_grad():
+                h = torch.tanh(x @ p["a"].t())  # the step's hooks go over save_on_cpu here
+                h = checkpoint(lambda h, w: torch.tanh(h @ w.t()), h, p["b"],
+                               use_reentrant=False)
+            return F.mse_loss(h, y)
+        step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1), policy=fs.Policy(groups=str))
+        state = step.init(fs.shard(tree, mesh(spec)))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            state, _ = step(state, (torch.randn(3, 5, generator=g), torch.randn(3, 4, generator=g)))
+        ends.append(fs.unshard(state.params))
+    return all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+
+
+def test_a_parameter_first_given_to_a_region_under_the_callers_hooks(pools):
+    assert pools.run(2, region_input_under_hooks) == [True] * 2
