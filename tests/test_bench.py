@@ -34,7 +34,8 @@ def measured(spec, raf):
     state, _ = step(state, batch)
     with CountCollectives() as cc:
         state, metrics = step(state, batch)
-    local = lambda tree: sum(d._local_tensor.nbytes for d in fs.pytree.leaves(tree))  # noqa
+    local = lambda tree: sum(d._local_tensor.nbytes for d in fs.pytree.leaves(tree)  # noqa
+                                 if torch.is_tensor(d))  # (Adam's counts: ints)
     return dict(counts=dict(cc.counts), bytes=dict(cc.bytes),
                 peak=metrics["unsharded_bytes_peak"], params=local(state.params),
                 optimizer=local(state.opt_state))

@@ -45,16 +45,18 @@ def train_state(m, leaves, seed, step=5):
     for p in fs.pytree.leaves(params):
         p.requires_grad_(p.is_floating_point())
     opt = fs.optim.adamw(1e-2).init(params)  # None state for the frozen (non-float) leaves
-    for t in fs.pytree.leaves(opt):
+    for t in fs.pytree.leaves(opt.exp_avg) + fs.pytree.leaves(opt.exp_avg_sq):
         t._local_tensor.normal_(generator=torch.Generator().manual_seed(seed + 99))
-    return fs.TrainState(params, opt, step)
+    count = fs.pytree.tree_map(lambda c: c + seed % 7, opt.count)  # the updates each had
+    return fs.TrainState(params, opt._replace(count=count), step)
 
 
 def zeros_like_state(state, step=0):
     z = fs.pytree.tree_map(lambda d: fs.layout.as_dtensor(
         torch.zeros_like(d._local_tensor), d, requires_grad=d.requires_grad), state.params)
     return fs.TrainState(z, fs.pytree.tree_map(lambda d: fs.layout.as_dtensor(
-        torch.zeros_like(d._local_tensor), d), state.opt_state), step)
+        torch.zeros_like(d._local_tensor), d) if torch.is_tensor(d) else 0, state.opt_state),
+        step)
 
 
 def same(a, b):
@@ -126,8 +128,8 @@ def test_state_dict_roundtrip_property(pools, spec, leaves, seed):
         keys = res["full"]["keys"]
         assert keys[0] == ("params.layers.0.w" if len(leaves) > 1 else "params.head")
         assert keys[-2:] == ["step", "skipped"]
-        assert all(k.startswith(("params.", "opt_state.exp_avg.", "opt_state.exp_avg_sq."))
-                   for k in keys[:-2])
+        assert all(k.startswith(("params.", "opt_state.exp_avg.", "opt_state.exp_avg_sq.",
+                                 "opt_state.count.")) for k in keys[:-2])
 
 
 def gpt_kinds(spec):
@@ -336,7 +338,8 @@ def test_exact_resume(pools, tmp_path, src, dst, model):
         assert first + second == straight and same(ref, resumed) == []
         return
     assert max(abs(a - b) for a, b in zip(first + second, straight)) < 1e-6
-    err = max((ref[k] - resumed[k]).abs().max().item() for k in ref if k not in ("step", "skipped"))
+    assert all(ref[k] == resumed[k] for k in ref if not torch.is_tensor(ref[k]))  # counts
+    err = max((ref[k] - resumed[k]).abs().max().item() for k in ref if torch.is_tensor(ref[k]))
     assert err < 1e-5, err
 
 
@@ -392,9 +395,10 @@ def kill_state(m, step):
     params = fs.shard({f"layers.{i}.w": torch.randn(256, 512, generator=g).requires_grad_()
                        for i in range(4)}, m)
     opt = fs.optim.adamw(1e-2).init(params)
-    for t in fs.pytree.leaves(opt):
+    for t in fs.pytree.leaves(opt.exp_avg) + fs.pytree.leaves(opt.exp_avg_sq):
         t._local_tensor.fill_(float(step))
-    return fs.TrainState(params, opt, step)
+    return fs.TrainState(params, opt._replace(count=fs.pytree.tree_map(lambda c: step, opt.count)),
+                         step)
 
 
 def verify_after_kill(spec, path, steps):

@@ -146,7 +146,8 @@ def test_frozen_and_dtensor_state(mesh):
     params = {"layer": Pair(w, frozen), "bias": None, "extra": [torch.nn.Parameter(torch.randn(2))]}
     opt = optim.adamw(0.1)
     state = opt.init(params)
-    for tree in state:
+    assert state.count["layer"] == Pair(0, None) and state.count["extra"] == [0]
+    for tree in (state.exp_avg, state.exp_avg_sq):
         assert tree["layer"].frozen is None and tree["bias"] is None
         s = tree["layer"].w
         assert isinstance(s, DTensor) and s.placements == w.placements and s.shape == w.shape
@@ -160,6 +161,7 @@ def test_frozen_and_dtensor_state(mesh):
     assert torch.equal(new_params["extra"][0].detach(), before_extra)  # None grad: unchanged
     assert torch.equal(new_state.exp_avg["extra"][0], torch.zeros(2))
     assert new_state.exp_avg["layer"].frozen is None
+    assert new_state.count["layer"] == Pair(1, None) and new_state.count["extra"] == [0]
     assert not torch.equal(w.full_tensor(), before_frozen.new_zeros(4, 3))
 
 
@@ -273,7 +275,8 @@ def test_fused_adam_read_by_a_later_transform_is_the_unfused_one():
     b, _, sb = _run_both(lambda: make(False), lambda ps: torch.optim.SGD(ps, lr=0.0))
     _assert_equal(a, b)
     flat = lambda s: [t for t in optim.base.flatten(s)[1] if t is not None]
-    assert all(torch.equal(x, y) for x, y in zip(flat(sa), flat(sb)))
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(flat(sa), flat(sb)))
 
 
 def test_fused_adamw_is_one_kernel_per_update():
@@ -299,3 +302,24 @@ def test_fused_adamw_is_one_kernel_per_update():
             params, state = opt.update(grads[0], state, params, step=0)
         assert ops.names.count("_fused_adamw_") == want, ops.names
         assert ("_foreach_addcdiv_" in ops.names) != fused, ops.names
+
+
+def test_adam_state_without_counts_counts_the_optimizers_steps():
+    """An AdamState made without ``count`` (as before counts were kept, or by hand): every
+    leaf's bias corrections count the optimizer's steps; with every leaf updated each step
+    that is what the counts give, bit for bit."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(3, requires_grad=True), "b": torch.randn(2, 2, requires_grad=True)}
+    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(3)]
+    opt = optim.adamw(0.1, weight_decay=0.01)
+    ends = []
+    for counted in (True, False):
+        ps = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        state = opt.init(ps)
+        if not counted:
+            state = state._replace(count=None)
+        for step, g in enumerate(grads):
+            ps, state = opt.update(g, state, ps, step=step)
+        assert (state.count == {"a": 3, "b": 3}) if counted else state.count is None
+        ends.append(ps)
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in params)

@@ -207,7 +207,7 @@ def mixed_precision(spec):
             state, metrics = step(state, tuple(x[rank * 2:(rank + 1) * 2] for x in b))
             curve.append(metrics["loss"])
         dtypes = {str(v.dtype) for v in fs.pytree.leaves(state.params)}
-        sdt = {str(v.dtype) for v in fs.pytree.leaves(state.opt_state)}
+        sdt = {str(v.dtype) for v in fs.pytree.leaves(state.opt_state) if torch.is_tensor(v)}
         curves[name] = (curve, dtypes, sdt)
     return curves
 

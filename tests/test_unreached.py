@@ -26,6 +26,11 @@ OPTIMIZERS = {
     # torch.optim on the shards: skips a None gradient, with AdamW's own per-leaf step
     "torch_adamw": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    # fs.optim's Adam: bias corrections by the leaf's own count of updates, as torch's
+    "adamw": (lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "adamw_fused": (lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1, fused=True),
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
     "sgd": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
 }

@@ -4,7 +4,7 @@
 on some steps sees a different bias correction (Adam) / buffer initialisation (SGD).
 
     >>> opt = adamw(3e-4, weight_decay=0.1, mask=lambda fqn: fqn.endswith("weight"))
-    >>> state = opt.init(params)                      # AdamWState(exp_avg, exp_avg_sq)
+    >>> state = opt.init(params)                      # AdamWState(exp_avg, exp_avg_sq, count)
     >>> params, state = opt.update(grads, state, params, step=0)
 """
 
@@ -61,7 +61,8 @@ def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: 
 
     Returns:
       ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay, mask),
-      scale_by_learning_rate(lr))``, state :class:`AdamWState` (``exp_avg``, ``exp_avg_sq``).
+      scale_by_learning_rate(lr))``, state :class:`AdamWState` (``exp_avg``, ``exp_avg_sq``,
+      ``count``).
       ``update`` donates params and state.
 
     Example::

@@ -221,8 +221,9 @@ def flatten(tree: Tree) -> tuple[list, list, Any]:
 
 @functools.lru_cache(maxsize=64)
 def _is_leaf_type(t: type) -> bool:
-    """A leaf for optree in every namespace: None, a tensor, a :class:`Delta`."""
-    return t is type(None) or issubclass(t, (torch.Tensor, Delta))
+    """A leaf for optree in every namespace: None, an int (Adam's counts), a tensor, a
+    :class:`Delta`."""
+    return t is type(None) or t is int or issubclass(t, (torch.Tensor, Delta))
 
 
 @functools.lru_cache(maxsize=64)
@@ -264,6 +265,12 @@ def zeros_like(p: Any) -> Any:
 def zeros_tree(params: Tree) -> Tree:
     return optree.tree_map(zeros_like, params, is_leaf=is_none, none_is_leaf=False,
                            namespace="funshard")
+
+
+def counts_tree(params: Tree) -> Tree:
+    """0 per trainable leaf (a count of updates), ``None`` where :func:`zeros_like` is."""
+    return optree.tree_map(lambda p: None if p is None or not p.requires_grad else 0, params,
+                           is_leaf=is_none, none_is_leaf=False, namespace="funshard")
 
 
 def as_delta(u: Any) -> Optional[Delta]:

@@ -36,7 +36,7 @@ def chain(*transforms: Transform) -> Optimizer:
     """The transformations one after another, as an :class:`Optimizer` (``.transform`` nests).
 
     State: the tuple of the members' states, stateless members left out; with one stateful
-    member its state itself (so ``adamw``'s state is ``AdamWState(exp_avg, exp_avg_sq)``).
+    member its state itself (so ``adamw``'s state is ``AdamWState(exp_avg, exp_avg_sq, count)``).
     """
     ts = [as_transform(t, f"chain: argument {i}") for i, t in enumerate(transforms)]
     stateful = [i for i, t in enumerate(ts) if not t.stateless]

@@ -13,15 +13,20 @@ from typing import NamedTuple
 import torch
 
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
-                   ScalarOrSchedule, Tree, as_delta, check, check_lr, chunks, flatten, group_by,
-                   locals_of, lr_at, materialize, path_str, unflatten, zeros_tree)
+                   ScalarOrSchedule, Tree, as_delta, check, check_lr, chunks, counts_tree,
+                   flatten, group_by, locals_of, lr_at, materialize, path_str, unflatten,
+                   zeros_tree)
 
 
 class AdamState(NamedTuple):
-    """Adam's first and second moment estimates, each mirroring params (DTensors)."""
+    """Adam's first and second moment estimates, each mirroring params (DTensors), and
+    ``count``: per leaf, the updates its moments have had (an int; torch.optim's per-parameter
+    ``step``), which its bias corrections use. A leaf given no gradient in a step (no rank
+    reached it) is skipped, moments and count alike, as torch.optim skips a ``None`` grad."""
 
     exp_avg: Tree
     exp_avg_sq: Tree
+    count: Tree = None  # None: a state made before counts were kept (the step's count)
 
 
 AdamWState = AdamState  # the name fs.optim.adamw's state always had
@@ -71,9 +76,11 @@ def by_device(idx: list, grads: list, *lists: list) -> list[list[list]]:
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                   fused: bool = False) -> GradientTransformation:
-    """Adam's direction ``m_hat / (sqrt(v_hat) + eps)`` (bias corrections use ``step + 1``).
+    """Adam's direction ``m_hat / (sqrt(v_hat) + eps)``; each leaf's bias corrections use its
+    own count of updates, this one included (torch.optim's per-parameter ``step``).
 
-    State :class:`AdamState` (``exp_avg``, ``exp_avg_sq``), zeros sharded like params.
+    State :class:`AdamState` (``exp_avg``, ``exp_avg_sq``: zeros sharded like params;
+    ``count``).
     ``fused=True``: the whole update waits for the parameter write, where one fused kernel
     does it (``torch.optim.AdamW(fused=True)``'s; [Note: fused Adam] in :mod:`.apply`).
     """
@@ -82,13 +89,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     check("eps", eps, eps >= 0.0, "eps >= 0")
 
     def init(params: Tree) -> AdamState:
-        return AdamState(zeros_tree(params), zeros_tree(params))
+        return AdamState(zeros_tree(params), zeros_tree(params), counts_tree(params))
 
     def update(updates: Tree, state: AdamState, params: Tree, *, step: int):
         spec, leaves, idx, us, ps, (m, v) = active(updates, params, state.exp_avg,
                                                    state.exp_avg_sq, lazy=True)
-        bias_correction1 = 1 - b1 ** float(step + 1)
-        bias_correction2_sqrt = (1 - b2 ** float(step + 1)) ** 0.5
+        if state.count is None:  # every leaf as many updates as the optimizer's steps
+            prior, c_spec = [step] * len(leaves), None
+        else:
+            _, prior, c_spec = flatten(state.count)
+        done = [prior[i] for i in idx]  # each active leaf's updates before this one
+        if c_spec is not None:
+            counts = list(prior)
+            for i in idx:
+                counts[i] += 1
+            state = state._replace(count=unflatten(c_spec, counts))
         out = list(leaves)
         if fused:
             for j, i in enumerate(idx):
@@ -97,8 +112,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                     g, scale = u.num, u.numer / u.divisor
                 else:  # something else pending: its values (rare; a transient per leaf)
                     g, scale = materialize(u, ps[j]), 1.0
-                out[i] = Delta(g, FusedAdam(m[j], v[j], b1, b2, eps, step, scale))
+                out[i] = Delta(g, FusedAdam(m[j], v[j], b1, b2, eps, done[j], scale))
             return unflatten(spec, out), state
+        corrections = {n: (1 - b1 ** float(n + 1), (1 - b2 ** float(n + 1)) ** 0.5)
+                       for n in set(done)}
         with torch.no_grad():
             # torch.optim's foreach Adam, a chunk of leaves at a time; the denominator stays
             # pending (RootDen) until the parameter is written ([Note: lean updates])
@@ -111,8 +128,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                     torch._foreach_addcmul_(v_run, gs, gs, 1 - b2)
                     del gs
                 for i, mm, vv in zip(pos, ms, vs):
-                    out[i] = Delta(mm, RootDen(vv, bias_correction2_sqrt, eps),
-                                   divisor=bias_correction1)
+                    bc1, bc2_sqrt = corrections[prior[i]]
+                    out[i] = Delta(mm, RootDen(vv, bc2_sqrt, eps), divisor=bc1)
         return unflatten(spec, out), state
 
     return GradientTransformation(init, update)

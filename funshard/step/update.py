@@ -122,8 +122,8 @@ def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[
 # it (no weight decay, no moment decay), and so does FSDP2. Its group's reduction still
 # carries zeros for it (every rank takes part), so the step drops those zeros here: the leaf
 # gets None, whichever group holds it, and the optimizer leaves it and its state alone
-# (fs.optim's Adam then counts its bias correction by the optimizer's step, as optax does;
-# torch.optim on shards, by the leaf's own). A leaf some rank reached keeps the mean over
+# (Adam's bias corrections then count the leaf's own updates, fs.optim's as torch.optim's:
+# :class:`funshard.optim.AdamState`'s ``count``). A leaf some rank reached keeps the mean over
 # ranks, zeros from the others, as one process on the whole batch computes it. Each rank's
 # count of such leaves rides on the metrics all-reduce; only when some rank has one do the
 # ranks add a second all-reduce, of a flag per leaf with a gradient.
