@@ -31,6 +31,8 @@ OPTIMIZERS = {
               lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
     "adamw_fused": (lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1, fused=True),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "adam_l2": (lambda: fs.optim.adam(lr=1e-2, weight_decay=0.1),
+                lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1)),
     "sgd": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
 }
