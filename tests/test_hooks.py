@@ -73,11 +73,12 @@ def _forward(model, p, x, theirs, where):
 
 
 def hooked(spec, policy, where, kind):
-    """Parameters after three steps with the caller's hooks and without (the same run), and
-    what the hooks were given: (tensors, tensors on a parameter's storage)."""
+    """Parameters after three steps with the caller's hooks and without (the same run), what
+    the hooks were given (tensors, tensors on a parameter's storage), and the last step's
+    peak of gathered groups with and without them."""
     model = _model()
     theirs = Theirs(kind)
-    ends = []
+    ends, peaks = [], []
     for hooks in (True, False):
         def loss_fn(p, b):
             if not hooks:
@@ -88,12 +89,13 @@ def hooked(spec, policy, where, kind):
         for b in _batches(3):
             if hooks and where == "step":
                 with theirs():
-                    state, _ = step(state, b)
+                    state, m = step(state, b)
             else:
-                state, _ = step(state, b)
+                state, m = step(state, b)
         ends.append(fs.unshard(state.params))
+        peaks.append(m["unsharded_groups_peak"])
     same = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
-    return same, theirs.packed, theirs.on_params
+    return same, theirs.packed, theirs.on_params, peaks
 
 
 def plain_packs(spec, kind, where):
@@ -117,17 +119,21 @@ def plain_packs(spec, kind, where):
 def test_the_callers_hooks_change_nothing_and_never_get_a_gathered_parameter(pools, spec,
                                                                           policy):
     """Around the model, around the step, and after a group was used bound before them:
-    the same parameters, bit for bit, as the same run without them; their pack gets
-    activations, and a gathered parameter only where an op on it came before any first use
-    under them (that group then stays gathered until its backward)."""
+    the same parameters, bit for bit, as the same run without them, and as few groups
+    gathered at once; their pack gets activations, and a gathered parameter only where an
+    op on it came before any first use under them (that group then stays gathered until its
+    backward: one group more at the peak)."""
     early = 2 * 3 * POLICIES[policy].get("accumulate", 1)  # per micro-batch, two saves
     for where in WHERE:
         for kind in KINDS:
-            for rank, (same, packed, on_params) in enumerate(
+            for rank, (same, packed, on_params, peaks) in enumerate(
                     pools.run(spec, hooked, POLICIES[policy], where, kind)):
                 at = (where, kind, rank)
                 assert same, at
                 assert packed > 0, at
+                # the hooks keep no more gathered than without them; bound: that group
+                assert peaks[0] - peaks[1] == (where == "bound" and policy != "shard_grad_op"), \
+                    (*at, peaks)
                 # bound: the saves that came before the step's hooks went over theirs
                 assert on_params == (early if where == "bound" else 0), (*at, on_params)
 
@@ -138,7 +144,7 @@ def test_the_callers_hooks_get_every_activation_a_plain_step_gives_them(pools):
     for where in ("model", "step"):
         plain, on_params = pools.run(1, plain_packs, "keep", where)[0]
         assert on_params > 0  # a plain module's weights reach them: the comparison has teeth
-        for same, packed, _ in pools.run(2, hooked, {}, where, "keep"):
+        for same, packed, _, _ in pools.run(2, hooked, {}, where, "keep"):
             assert same and packed == 3 * (plain - on_params), (where, packed, plain, on_params)
 
 
