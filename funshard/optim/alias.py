@@ -1,7 +1,8 @@
 """The usual optimizers as chains: ``sgd``, ``adam``, ``adamw``. Each gives
-``torch.optim``'s numbers (foreach) bit for bit, with one difference: the step count is global
-(the ``step`` argument) where torch counts per parameter, so a parameter whose grad is ``None``
-on some steps sees a different bias correction (Adam) / buffer initialisation (SGD).
+``torch.optim``'s numbers (foreach) bit for bit. Adam counts each parameter's own updates, as
+torch does (``AdamState.count``); SGD's momentum starts from the global ``step``, so with
+``dampening != 0`` a parameter whose first grad comes after step 0 starts its buffer at
+``(1 - dampening) * g`` where torch starts it at ``g``.
 
     >>> opt = adamw(3e-4, weight_decay=0.1, mask=lambda fqn: fqn.endswith("weight"))
     >>> state = opt.init(params)                      # AdamWState(exp_avg, exp_avg_sq, count)
