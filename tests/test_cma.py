@@ -85,19 +85,11 @@ def test_more_exchanges_in_flight_than_the_ring_holds(pools):
     assert pools.run(2, many_in_flight, n, 3) == [[], []]
 
 
-def different_collectives(spec):
-    """Rank 0 starts an all-gather, rank 1 a reduce-scatter, on one group."""
+def _error_of(start) -> str:
+    """The message ``start(pg)`` raises on a fresh group, or "NO ERROR"."""
     pg = _fresh_group()
-    m = fs.make_mesh()
-    shard = fs.shard({"w": torch.ones(4, 3)}, m)["w"]
-    lay = layout_of("w", shard)
-    t = cma.CMA()
     try:
-        if dist.get_rank() == 0:
-            t.all_gather([lay], [shard.to_local()], [torch.float32], pg, None, CPU, False)
-        else:
-            out = torch.empty(2 * 3)
-            t.reduce_scatter(out, torch.ones(2, 6), pg).wait()
+        start(pg)
     except RuntimeError as e:
         return str(e)
     finally:
@@ -105,10 +97,46 @@ def different_collectives(spec):
     return "NO ERROR"
 
 
+def different_collectives(spec):
+    """Rank 0 starts an all-gather, rank 1 a reduce-scatter, on one group."""
+    shard = fs.shard({"w": torch.ones(4, 3)}, fs.make_mesh())["w"]
+    lay = layout_of("w", shard)
+
+    def start(pg):
+        if dist.get_rank() == 0:
+            cma.CMA().all_gather([lay], [shard.to_local()], [torch.float32], pg, None, CPU,
+                                 False)
+        else:
+            cma.CMA().reduce_scatter(torch.empty(2 * 3), torch.ones(2, 6), pg).wait()
+    return _error_of(start)
+
+
 def test_different_collectives_are_named_on_every_rank(pools):
     for rank, msg in enumerate(pools.run(2, different_collectives, timeout=60)):
         assert "ranks started different collectives" in msg, (rank, msg)
         assert "all-gather of" in msg and "reduce-scatter of" in msg, (rank, msg)
+
+
+def same_bytes_other_tensors(spec):
+    """Both ranks all-gather as many bytes: rank 0 one 4 x 3 leaf, rank 1 two 2 x 3 leaves."""
+    mine = {"w": torch.ones(4, 3)} if dist.get_rank() == 0 else {"a": torch.ones(2, 3),
+                                                                "b": torch.ones(2, 3)}
+    shards = fs.shard(mine, fs.make_mesh())
+    lays = [layout_of(k, v) for k, v in shards.items()]
+    return _error_of(lambda pg: cma.CMA().all_gather(
+        lays, [v.to_local() for v in shards.values()], [torch.float32] * len(lays), pg, None,
+        CPU, False))
+
+
+def test_a_gather_of_other_tensors_is_named_with_its_tensor_counts(pools):
+    """The same kind and size, a different number of tensors: the message says so, with
+    the rank's last exchanges (what a rank-dependent gather looks like)."""
+    import re
+
+    for rank, msg in enumerate(pools.run(2, same_bytes_other_tensors, timeout=60)):
+        said = re.findall(r"all-gather of (\d+) bytes in (\d+) tensors", msg)[:2]
+        assert len({n for n, _ in said}) == 1 and {k for _, k in said} == {"1", "2"}, msg
+        assert "its last posts: #1 all-gather of" in msg, (rank, msg)
 
 
 @given(sizes=st.lists(st.integers(0, 300), max_size=40), limit=st.integers(1, 200),

@@ -41,6 +41,7 @@ that is not wanted, ``FUNSHARD_CMA=0``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -167,6 +168,7 @@ class _Link:
         self.addrs: dict[int, int] = {}
         self.seq = 0
         self.pending: list[_Exchange] = []  # posted, not yet consumed from every peer
+        self.recent: collections.deque = collections.deque(maxlen=6)  # for a mismatch's error
         self.lock = threading.RLock()
 
     @property
@@ -193,6 +195,7 @@ class _Link:
             self.ctl[at + 3], self.ctl[at + 4] = ctypes.addressof(desc), len(words)
             self.ctl[at] = s  # last: a reader that sees s sees the rest
             self.seq = s
+            self.recent.append((s, kind, nbytes, len(words)))
             if self.peers:
                 self.pending.append(ex)
             return ex
@@ -220,12 +223,14 @@ class _Link:
                     blocked.add(p)  # not posted yet: later ones are not either
                     continue
                 if (v[at + 1], v[at + 2], v[at + 4]) != (ex.kind, ex.nbytes, ex.words):
+                    last = ", ".join("#%d %s of %d bytes in %d tensors" % r for r in self.recent)
                     raise RuntimeError(
                         f"funshard: ranks started different collectives on one process group: "
                         f"exchange #{ex.seq} is a {_NAMES.get(v[at + 1], '?')} of {v[at + 2]} "
-                        f"bytes on rank {p} and a {_NAMES[ex.kind]} of {ex.nbytes} bytes on "
-                        f"rank {self.rank}. Every rank must make the same funshard calls "
-                        "(steps, saves, loads) in the same order.")
+                        f"bytes in {v[at + 4]} tensors on rank {p} and a {_NAMES[ex.kind]} of "
+                        f"{ex.nbytes} bytes in {ex.words} tensors on rank {self.rank} (its last "
+                        f"posts: {last}). Every rank must make the same funshard calls (steps, "
+                        "saves, loads) in the same order.")
                 words = (ctypes.c_int64 * ex.words)()
                 if ex.words:
                     _read(self.pids[p], p, [(ctypes.addressof(words), v[at + 3], 8 * ex.words)])
