@@ -35,6 +35,9 @@ OPTIMIZERS = {
                 lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1)),
     "sgd": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    # a leaf's buffer starts at its first gradient, whenever that comes (then dampened)
+    "sgd_dampening": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, dampening=0.5),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5)),
 }
 
 

@@ -1,8 +1,7 @@
 """The usual optimizers as chains: ``sgd``, ``adam``, ``adamw``. Each gives
-``torch.optim``'s numbers (foreach) bit for bit. Adam counts each parameter's own updates, as
-torch does (``AdamState.count``); SGD's momentum starts from the global ``step``, so with
-``dampening != 0`` a parameter whose first grad comes after step 0 starts its buffer at
-``(1 - dampening) * g`` where torch starts it at ``g``.
+``torch.optim``'s numbers (foreach) bit for bit. Adam and SGD's momentum count each
+parameter's own updates, as torch does (``AdamState.count``, ``SGDState.count``): a parameter
+first given a gradient after step 0 starts as torch starts it.
 
     >>> opt = adamw(3e-4, weight_decay=0.1, mask=lambda fqn: fqn.endswith("weight"))
     >>> state = opt.init(params)                      # AdamWState(exp_avg, exp_avg_sq, count)
@@ -22,7 +21,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, weight_decay: float = 0.0, 
 
     Args:
       lr: learning rate, or a schedule ``step -> lr`` (``step`` = updates already applied).
-      momentum: momentum factor (>= 0); the buffer is set to the first grad at ``step == 0``.
+      momentum: momentum factor (>= 0); a leaf's buffer is set to its first grad.
       weight_decay: L2 penalty added to the gradient (>= 0).
       nesterov: use Nesterov momentum (requires momentum > 0 and dampening == 0).
       dampening: dampening for momentum.
@@ -30,7 +29,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, weight_decay: float = 0.0, 
 
     Returns:
       ``chain(add_decayed_weights(weight_decay), trace(momentum), scale_by_learning_rate(lr))``,
-      state :class:`SGDState` (``momentum_buffer``). ``update`` donates params and state.
+      state :class:`SGDState` (``momentum_buffer``, ``count``). ``update`` donates params and state.
     """
     return chain(add_decayed_weights(weight_decay, mask),
                  trace(momentum, dampening=dampening, nesterov=nesterov),

@@ -33,9 +33,13 @@ AdamWState = AdamState  # the name fs.optim.adamw's state always had
 
 
 class TraceState(NamedTuple):
-    """SGD's momentum: ``momentum_buffer`` mirrors params (``None`` leaves when momentum == 0)."""
+    """SGD's momentum: ``momentum_buffer`` mirrors params (``None`` leaves when momentum == 0),
+    and ``count``: per leaf, the updates its buffer has had (an int; ``None`` leaves when
+    momentum == 0). A leaf's buffer starts at its first gradient, whichever step that comes
+    at, as torch.optim.SGD starts a parameter's buffer at its first non-None grad."""
 
     momentum_buffer: Tree
+    count: Tree = None  # None: a state made before counts were kept (the step's count)
 
 
 SGDState = TraceState  # the name fs.optim.sgd's state always had
@@ -136,7 +140,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 
 def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
-    """SGD's momentum buffer ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at step 0).
+    """SGD's momentum buffer ``buf = momentum * buf + (1 - dampening) * g``; ``buf = g`` at a
+    leaf's first update (its ``count`` is 0), as torch.optim.SGD's.
 
     State :class:`TraceState`; with ``momentum == 0`` it holds ``None`` leaves and passes the
     updates through.
@@ -149,14 +154,24 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
     def init(params: Tree) -> TraceState:
         if momentum == 0:
             _, leaves, spec = flatten(params)
-            return TraceState(unflatten(spec, [None] * len(leaves)))
-        return TraceState(zeros_tree(params))
+            return TraceState(unflatten(spec, [None] * len(leaves)),
+                              unflatten(spec, [None] * len(leaves)))
+        return TraceState(zeros_tree(params), counts_tree(params))
 
     def update(updates: Tree, state: TraceState, params: Tree, *, step: int):
         if momentum == 0:
             return updates, state
         spec, leaves, idx, us, ps, (bufs,) = active(updates, params, state.momentum_buffer,
                                                     lazy=True)
+        if state.count is None:  # every leaf as many updates as the optimizer's steps
+            first = {i: step == 0 for i in idx}
+        else:
+            _, counts, c_spec = flatten(state.count)
+            first = {i: counts[i] == 0 for i in idx}
+            counts = list(counts)
+            for i in idx:
+                counts[i] += 1
+            state = state._replace(count=unflatten(c_spec, counts))
         out = list(leaves)
         with torch.no_grad():
             # a chunk of leaves at a time ([Note: lean updates]); Nesterov's update is a new
@@ -165,11 +180,14 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
                 for run in (chunks(bs) if nesterov else runs_of(us_, bs)):
                     gs = [materialize(us_[j], ps_[j]) for j in run]
                     b_run = [bs[j] for j in run]
-                    if step == 0:
-                        torch._foreach_copy_(b_run, gs)
-                    else:
-                        torch._foreach_mul_(b_run, momentum)
-                        torch._foreach_add_(b_run, gs, alpha=1 - dampening)
+                    new = [j for j, g in enumerate(run) if first[pos[g]]]
+                    if new:  # a leaf's first update: its buffer is its gradient
+                        torch._foreach_copy_([b_run[j] for j in new], [gs[j] for j in new])
+                    old = [j for j, g in enumerate(run) if not first[pos[g]]]
+                    if old:
+                        b_old = [b_run[j] for j in old]
+                        torch._foreach_mul_(b_old, momentum)
+                        torch._foreach_add_(b_old, [gs[j] for j in old], alpha=1 - dampening)
                     res = torch._foreach_add(gs, b_run, alpha=momentum) if nesterov else b_run
                     for j, r in zip(run, res):
                         out[pos[j]] = Delta(r)
