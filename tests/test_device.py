@@ -6,6 +6,8 @@ device lands on ``meta`` and fails as soon as it meets real data or is read, the
 accumulator beside CUDA tensors fails on a GPU (the first CUDA run failed exactly so).
 """
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,3 +192,84 @@ def test_checkpoint_makes_nothing_on_the_default_device(pools, spec, tmp_path):
     for rank, (same, devices) in enumerate(
             pools.run(spec, checkpoint_on_meta_default, str(tmp_path / "ckpt"))):
         assert same and devices == {"cpu"}, (rank, same, devices)
+
+
+# -- one host read per step ----------------------------------------------------------------
+
+# what reads a tensor's values on the host: on a GPU each waits for the device (a sync)
+_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu",
+            "nonzero", "any", "all")
+_FUNCTIONS = ("equal", "is_nonzero", "nonzero", "any", "all")
+
+
+class _HostReads:
+    """Counts the host reads funshard's own code makes (the calling frame is in funshard), by
+    file and line, with each reading method and function replaced for the duration (a
+    TorchFunctionMode would miss those made inside another torch function's dispatch, as
+    the step's gathers are)."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}
+        self.saved: list = []
+
+    def _counted(self, fn):
+        def read(*args, **kwargs):
+            f = sys._getframe(1)
+            name = f.f_code.co_filename.replace("\\", "/")
+            if "/funshard/" in name and "/testing/" not in name:
+                where = f"{name.split('/funshard/')[-1]}:{f.f_lineno}"
+                self.seen[where] = self.seen.get(where, 0) + 1
+            return fn(*args, **kwargs)
+        return read
+
+    def __enter__(self):
+        for owner, names in ((torch.Tensor, _METHODS), (torch, _FUNCTIONS)):
+            for n in names:
+                self.saved.append((owner, n, owner.__dict__.get(n)))
+                setattr(owner, n, self._counted(getattr(owner, n)))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, n, old in reversed(self.saved):
+            if old is None:
+                delattr(owner, n)
+            else:
+                setattr(owner, n, old)
+        return False
+
+
+def host_reads(spec, policy_kwargs, optimizer):
+    """The host reads of a step after the first two (which learn the schedule)."""
+    m = mesh(spec)
+    kwargs = {k: v for k, v in policy_kwargs.items() if k != "_mean"}
+    model, batch = _model_and_batch(dist.get_world_size())
+    loss_fn = _mean_loss(model) if policy_kwargs.get("_mean") else gpt_loss(model)
+    step = fs.train_step(loss_fn, OPTIMIZERS[optimizer](), policy=fs.Policy(**kwargs))
+    state = step.init(fs.shard(fs.params(model), m))
+    for _ in range(2):
+        state, _ = step(state, batch)
+    reads = _HostReads()
+    with reads:
+        state, metrics = step(state, batch)
+    return reads.seen, metrics["loss"]
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+@pytest.mark.parametrize("policy", list(POLICIES), ids=str)
+def test_a_step_reads_the_device_once(pools, spec, policy):
+    """On a GPU a host read of a tensor waits for the device; the step makes one, where the
+    metrics (loss, gradient norm, and what the Policy's rules need) come to the host
+    together, and none per group or per leaf. Seen here as the host reads funshard's code
+    makes (CPU tensors), the lane's proxy for what would sync a GPU."""
+    for rank, (seen, loss) in enumerate(pools.run(spec, host_reads, POLICIES[policy], "adamw")):
+        assert sum(seen.values()) == 1 and all(w.startswith("step/update.py") for w in seen), \
+            (rank, seen)
+        assert loss == loss  # the step ran
+
+
+@pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o != "from_torch"], ids=str)
+def test_the_optimizers_read_nothing(pools, optimizer):
+    """fs.optim's optimizers make no host read (torch.optim through from_torch reads its
+    own CPU step counters, which wait for no device)."""
+    for rank, (seen, _) in enumerate(pools.run(2, host_reads, {}, optimizer)):
+        assert sum(seen.values()) == 1, (rank, seen)
