@@ -10,7 +10,7 @@ from torch import nn
 
 import funshard as fs
 from funshard.testing import capture, mesh
-from funshard.testing.models import MatMulT
+from funshard.testing.models import MLP, MatMulT
 
 
 def _model():
@@ -239,3 +239,42 @@ def profiled(spec, dtype, opts):
 def test_a_profiled_step_trains_as_an_unprofiled_one(pools, spec, dtype, opts):
     for same, ops in pools.run(spec, profiled, dtype, opts):
         assert same and ops, (same, ops)
+
+
+def profiled_on_rank_0(spec, policy):
+    """Three steps profiled on rank 0 alone (record_shapes: its weak references keep rank
+    0's leaves bound) against the same steps profiled nowhere: the same parameters, bit for
+    bit; the ranks' collectives stay in step ([Note: rank-independent freeing] in
+    funshard.step.group; the direct transport names a rank that starts another)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m, rank = mesh(spec), dist.get_rank()
+    out = []
+    for prof in (False, True):
+        torch.manual_seed(0)
+        model = MLP(dim=5, hidden=7, layers=3, out=3)  # a group per layer, the head apart
+        step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
+                             fs.optim.adamw(1e-2), policy=fs.Policy(**policy))
+        state = step.init(fs.shard(fs.params(model), m))
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            b = (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
+            if prof and rank == 0:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+                    state, _ = step(state, b)
+            else:
+                state, _ = step(state, b)
+        out.append(fs.unshard(state.params))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+
+
+@pytest.mark.parametrize("policy", [{}, {"reshard_after_forward": False},
+                                    {"param_dtype": torch.bfloat16}, {"accumulate": 2},
+                                    {"prefetch": False}, {"transport": "c10d"}],
+                         ids=["full_shard", "shard_grad_op", "bf16", "accumulate",
+                              "no_prefetch", "c10d"])
+def test_a_step_profiled_on_one_rank_keeps_the_ranks_in_step(pools, policy):
+    """Profiling rank 0 alone, a common way to profile, used to part the ranks' gathers:
+    a group its weak references kept gathered there was gathered again on the others."""
+    for rank, same in enumerate(pools.run(2, profiled_on_rank_0, policy)):
+        assert same, rank

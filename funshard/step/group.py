@@ -31,6 +31,13 @@ when backward needs them. One group's life in a FULL_SHARD step::
   node (:mod:`.grads`); when backward is done with the group its bucket is reduce-scattered
   (one collective), finished before backward gathers the next group.
 
+[Note: rank-independent freeing] The collectives a rank starts must not depend on what only
+that rank does (on NCCL ranks that disagree hang, or read each other's bytes where sizes
+agree). A leaf held elsewhere when its group is freed (torch.profiler's weak references on
+the one rank it profiles, a view, a cycle the collector has not broken yet) is freed all
+the same for the collectives: the group goes SHARDED and its next use gathers as on every
+rank, writing the same bytes into the storage the holder reads, which alone is kept.
+
 Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
 -> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
 by hand (``Run.release``) once the gradients are taken.
@@ -281,35 +288,52 @@ class Group:
     def free_leaves(self, leaves: list[int]) -> None:
         """Free ``leaves`` of a GATHERED group; it gathers them again (PARTIAL) when
         backward unpacks one."""
+        if self.pinned and not self.ended:
+            return
+        leaves = [k for k in leaves if self.bases[k] is not None]
+        kept = self._unbind_for_free(leaves)
         for k in leaves:
-            b = self.bases[k]
-            if b is None or not self.unbind(k):
-                continue
-            st = b.untyped_storage()
+            st = self.bases[k].untyped_storage()
             self.storage.pop(st.data_ptr(), None)
             self.held -= st.nbytes()
-            st.resize_(0)
+            if k not in kept:
+                st.resize_(0)
             if self.saved[k]:  # autograd will want it back
                 self.to_regather.append(k)
         if self.to_regather:
             self.move(S.PARTIAL)
 
     def free(self) -> None:
-        """Resident -> SHARDED: every gathered storage resized to 0 bytes. A gather still
-        in flight into a group that is not resident is left to finish; ALIASED stays."""
+        """Resident -> SHARDED: every gathered storage resized to 0 bytes, but one something
+        else holds ([Note: rank-independent freeing]). A gather still in flight into a group
+        that is not resident is left to finish; ALIASED stays, and so does a pinned group."""
         if self.state in (S.SHARDED, S.GATHERING, S.ALIASED):
             return
         if self.state is S.PARTIAL_GATHERING:  # leaves on their way into its storages
             self.finish_gather()
-        if not self.unbind_all():
-            return  # an op still holds a bound leaf: the group stays resident (correct)
+        if self.pinned and not self.ended:
+            return  # the caller's hooks may hold its storages (the same on every rank)
+        kept = self._unbind_for_free(range(len(self.idx)))
         for k in self.sharded:
             if self.bases[k] is not None:
                 st = self.bases[k].untyped_storage()
                 self.storage.pop(st.data_ptr(), None)
-                st.resize_(0)
+                if k not in kept:
+                    st.resize_(0)
         self.held, self.to_regather = 0, []
         self.move(S.SHARDED)
+
+    def _unbind_for_free(self, leaves) -> set[int]:
+        """Unbind ``leaves``; those whose storage must stay: their full tensor is held
+        elsewhere (a view of it, a C++ reference), or a C++ weak reference kept it bound."""
+        kept = set()
+        for k in leaves:
+            bound = self.lazies is not None and self.lazies[k] is not None
+            full = self.stands[k] if bound else self.fulls[k]
+            held = full is not None and full._use_count() > 1  # before the swap
+            if not self.unbind(k, held_ok=True) or held:
+                kept.add(k)
+        return kept
 
     def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.
@@ -319,7 +343,7 @@ class Group:
         when that node's saved tensors are released. A stray later unpack still holds it.
         """
         b = self.bases[k]
-        if b is None or self.state is S.ALIASED or not self.unbind(k):
+        if b is None or self.state is S.ALIASED or not self.unbind(k, held_ok=True):
             return
         self.storage.pop(b.untyped_storage().data_ptr(), None)
         self.held -= b.untyped_storage().nbytes()
@@ -338,9 +362,11 @@ class Group:
                 self.lazies[k], self.fulls[k] = full, self.stands[k]
                 self.bound_version[k] = self.stands[k]._version
 
-    def unbind(self, k: int) -> bool:
+    def unbind(self, k: int, held_ok: bool = False) -> bool:
         """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
-        False when something else still holds its full tensor: then it stays gathered."""
+        False when something else still holds its full tensor (``held_ok``: only when a weak
+        reference stops it; never for an ALIASED leaf, which autograd holds as a leaf):
+        then it stays gathered."""
         if self.pinned and not self.ended:
             return False
         shell = self.lazies[k] if self.lazies is not None else None
@@ -350,13 +376,13 @@ class Group:
         if stand._version != self.bound_version[k]:
             raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
                                  landed=self.state is S.ALIASED)
-        if not lazy_swap(stand, shell):
+        if not lazy_swap(stand, shell, held_ok=held_ok and self.state is not S.ALIASED):
             return False
         self.fulls[k], self.lazies[k] = shell, None
         return True
 
-    def unbind_all(self) -> bool:
-        return all([self.unbind(k) for k in range(len(self.idx))])
+    def unbind_all(self, held_ok: bool = False) -> bool:
+        return all([self.unbind(k, held_ok) for k in range(len(self.idx))])
 
     def release(self) -> None:
         """Drop every tensor (see [Note: a group's life] on the autograd cycle)."""

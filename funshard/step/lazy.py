@@ -32,9 +32,11 @@ the parameter through plain torch ops first. A frozen one is fine. Activation
 checkpointing's recompute: [Note: recomputation] in :mod:`.recompute`. Under
 ``torch.profiler`` with ``record_shapes`` or ``with_stack``, the profiler holds a C++ weak
 reference to each op's inputs and each called module's parameters, and torch swaps no
-tensor that has one: such a leaf stays bound, its group gathered, until the step ends (the
-same numbers; on the tiny host-bound GPT, 9 groups resident at the peak with with_stack, 1
-with record_shapes alone, 1 without). Profile memory with ``profile_memory`` alone.
+tensor that has one: such a leaf stays bound and keeps its storage until the step ends,
+while its group is freed and gathered as on a rank that does not profile (the same numbers
+and collectives: [Note: rank-independent freeing] in :mod:`.group`; on the tiny host-bound
+GPT, 9 groups' memory at the peak with with_stack, 1 with record_shapes alone, 1 without).
+Profile memory with ``profile_memory`` alone.
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
 the group's gradients to the run; on a mesh, each trainable leaf with a large gradient
@@ -68,14 +70,16 @@ _METADATA = {
 }
 
 
-def lazy_swap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
     """Swap two tensor objects' contents (C++ tensor, class, attributes); False (nothing
-    changed) when either C++ tensor is held elsewhere."""
+    changed) when either C++ tensor is held elsewhere (``held_ok``: only when either object
+    has weak references, or a C++ weak reference stops the swap)."""
     # torch's C++ swap does not check this itself (torch.utils.swap_tensors checks it in
     # Python): a C++ tensor that something else holds, or an object with weak references,
-    # must not change hands
-    if a._use_count() != 1 or b._use_count() != 1 or weakref.getweakrefcount(a) or \
-            weakref.getweakrefcount(b):
+    # must not change hands. Unbinding may hand over a held one ([Note: rank-independent
+    # freeing] in .group): the holder keeps the C++ tensor, whose storage is then kept.
+    if weakref.getweakrefcount(a) or weakref.getweakrefcount(b) or (
+            not held_ok and (a._use_count() != 1 or b._use_count() != 1)):
         return False
     try:
         torch._C._swap_tensor_impl(a, b)

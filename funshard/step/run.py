@@ -225,7 +225,7 @@ class Run:
         if self.checkpointing:  # unbind, so a recompute's use of a parameter is seen
             for g in self.groups:
                 if g.resident and g.state is not S.ALIASED:
-                    g.unbind_all()
+                    g.unbind_all(held_ok=True)
         # Ops on bound leaves are not seen: ``active`` holds the groups of forward's last op
         # that gathered (with FULL_SHARD, the groups still bound). Backward's first node
         # frees nothing as "the previous op's".
