@@ -270,9 +270,11 @@ def profiled_on_rank_0(spec, policy):
 
 @pytest.mark.parametrize("policy", [{}, {"reshard_after_forward": False},
                                     {"param_dtype": torch.bfloat16}, {"accumulate": 2},
-                                    {"prefetch": False}, {"transport": "c10d"}],
+                                    {"prefetch": False}, {"transport": "c10d"},
+                                    {"checkpoint": True},
+                                    {"checkpoint": True, "param_dtype": torch.bfloat16}],
                          ids=["full_shard", "shard_grad_op", "bf16", "accumulate",
-                              "no_prefetch", "c10d"])
+                              "no_prefetch", "c10d", "checkpoint", "checkpoint_bf16"])
 def test_a_step_profiled_on_one_rank_keeps_the_ranks_in_step(pools, policy):
     """Profiling rank 0 alone, a common way to profile, used to part the ranks' gathers:
     a group its weak references kept gathered there was gathered again on the others."""

@@ -131,7 +131,9 @@ def _checkpoint_groups(run: Run, module: torch.nn.Module, stack: contextlib.Exit
         if getattr(sub.forward, "func", None) is _checkpointed:
             continue  # an earlier fs.call in this run wrapped it
         before = vars(sub).get("forward", _NONE)  # an instance forward someone else set
-        sub.forward = functools.partial(_checkpointed, sub.forward)
+        sub.forward = functools.partial(
+            _checkpointed, functools.partial(_regathered, run, run.params.names.index(name),
+                                             sub.forward))
         stack.callback(_restore, sub, before)
     if not found:
         raise ValueError(
@@ -152,6 +154,16 @@ def _restore(sub: torch.nn.Module, before) -> None:
 
 def _checkpointed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _regathered(run: Run, gi: int, forward, *args, **kwargs):
+    """A checkpointed group's forward. Recomputed in backward, it uses its group first: every
+    rank gathers the group here, also one where a leaf stays bound and its ops are not seen
+    (torch.profiler on that rank alone: [Note: rank-independent freeing] in .group)."""
+    if run.backward:
+        with recompute.own_ops(False), torch.no_grad():
+            run.use([gi], new_op=True)
+    return forward(*args, **kwargs)
 
 
 def check_found(run: Run) -> None:
