@@ -252,7 +252,9 @@ def profiled_on_rank_0(spec, policy):
     out = []
     for prof in (False, True):
         torch.manual_seed(0)
-        model = MLP(dim=5, hidden=7, layers=3, out=3)  # a group per layer, the head apart
+        # a group per layer, the head apart; on 2 ranks the head's leaves are padded and
+        # the layers' not (a bound unpadded leaf's tensor is the stand-in object itself)
+        model = MLP(dim=5, hidden=8, layers=3, out=3)
         step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
                              fs.optim.adamw(1e-2), policy=fs.Policy(**policy))
         state = step.init(fs.shard(fs.params(model), m))
@@ -260,7 +262,8 @@ def profiled_on_rank_0(spec, policy):
         for _ in range(3):
             b = (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
             if prof and rank == 0:
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                             with_stack=True):
                     state, _ = step(state, b)
             else:
                 state, _ = step(state, b)
@@ -279,4 +282,42 @@ def test_a_step_profiled_on_one_rank_keeps_the_ranks_in_step(pools, policy):
     """Profiling rank 0 alone, a common way to profile, used to part the ranks' gathers:
     a group its weak references kept gathered there was gathered again on the others."""
     for rank, same in enumerate(pools.run(2, profiled_on_rank_0, policy)):
+        assert same, rank
+
+
+def weakly_held(spec, dtype):
+    """Three steps of a loss_fn that keeps a weak reference to a parameter while its group is
+    bound (a cache keyed weakly by the weight; torch.compile's guards hold such ones), against
+    the same steps without: the same parameters, bit for bit. The leaf cannot be unbound, and
+    its unpadded tensor is the stand-in object itself when its group is freed and gathered
+    again."""
+    import weakref
+
+    m, rank = mesh(spec), dist.get_rank()
+    out = []
+    for weak in (False, True):
+        torch.manual_seed(0)
+        model = MLP(dim=5, hidden=8, layers=3, out=3)
+        refs = []
+
+        def loss_fn(p, b, weak=weak, model=model, refs=refs):
+            w = p["layers.1.0.weight"]
+            z = (w * 0).sum()  # its group gathered and bound
+            if weak:
+                refs.append(weakref.ref(w))
+            return F.mse_loss(fs.call(model, p, b[0]).float() + z, b[1])
+
+        step = fs.train_step(loss_fn, fs.optim.adamw(1e-2), policy=fs.Policy(param_dtype=dtype))
+        state = step.init(fs.shard(fs.params(model), m))
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            state, _ = step(state, (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)))
+        out.append(fs.unshard(state.params))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+
+
+@pytest.mark.parametrize("spec,dtype", [(1, torch.bfloat16), (2, None), (2, torch.bfloat16)],
+                         ids=["1-bf16", "2-fp32", "2-bf16"])
+def test_a_weakly_held_parameter_trains_as_one_not_held(pools, spec, dtype):
+    for rank, same in enumerate(pools.run(spec, weakly_held, dtype)):
         assert same, rank

@@ -31,12 +31,11 @@ when backward needs them. One group's life in a FULL_SHARD step::
   node (:mod:`.grads`); when backward is done with the group its bucket is reduce-scattered
   (one collective), finished before backward gathers the next group.
 
-[Note: rank-independent freeing] The collectives a rank starts must not depend on what only
-that rank does (on NCCL ranks that disagree hang, or read each other's bytes where sizes
-agree). A leaf held elsewhere when its group is freed (torch.profiler's weak references on
-the one rank it profiles, a view, a cycle the collector has not broken yet) is freed all
-the same for the collectives: the group goes SHARDED and its next use gathers as on every
-rank, writing the same bytes into the storage the holder reads, which alone is kept.
+[Note: rank-independent freeing] A rank's collectives must not depend on what it alone does
+(on NCCL, ranks that disagree hang, or read each other's bytes). A leaf held elsewhere when
+its group is freed (a profiler's weak references on one rank, a view, an uncollected cycle)
+is freed for the collectives all the same: the group goes SHARDED, its next use gathers as
+on every rank and writes the same bytes into the held storage, which alone is kept.
 
 Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
 -> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
@@ -110,9 +109,7 @@ class Group:
         self.lazies: list | None = None
         self.bound_version: list[int] = [0] * len(self.idx)
         self.ended = False  # backward is done with it (its gradients are complete)
-        # the caller's saved-tensor hooks may hold its storage: resident until backward is
-        # done with it ([Note: hooks beneath the step's] in .saved)
-        self.pinned = False
+        self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
         self.local = comm.skips(params.world)  # a world of one: a gather is a cast (_cast)
 
     @property
@@ -186,7 +183,7 @@ class Group:
         leaf backward dropped), for a gather to write into."""
         p, outs = self.params, []
         for k in leaves:
-            b = self.bases[k]
+            b = self.base(k)
             if b is None:  # dropped in backward (see drop): a fresh storage
                 i = self.idx[k]
                 lay = p.layouts[i]
@@ -204,6 +201,11 @@ class Group:
         if self.versions is not None:
             self.versions.__exit__(None, None, None)
             self.versions = None
+
+    def base(self, k: int) -> torch.Tensor | None:
+        """Leaf ``k``'s padded full tensor: bound, unpadded, that is the stand-in object."""
+        b = self.bases[k]
+        return self.stands[k] if b is not None and self.lazies and b is self.lazies[k] else b
 
     @property
     def aliases(self) -> bool:
@@ -259,7 +261,7 @@ class Group:
     def _hold(self, leaves: list[int]) -> None:
         """``leaves`` are gathered: count their bytes, map their storages for the hooks."""
         for k in leaves:
-            st = self.bases[k].untyped_storage()
+            st = self.base(k).untyped_storage()
             self.held += st.nbytes()
             if st.data_ptr():
                 self.storage[st.data_ptr()] = (self, k)
@@ -286,14 +288,13 @@ class Group:
     # freeing -----------------------------------------------------------------------
 
     def free_leaves(self, leaves: list[int]) -> None:
-        """Free ``leaves`` of a GATHERED group; it gathers them again (PARTIAL) when
-        backward unpacks one."""
+        """Free ``leaves`` of a GATHERED group (PARTIAL: gathered again on unpack)."""
         if self.pinned and not self.ended:
             return
         leaves = [k for k in leaves if self.bases[k] is not None]
         kept = self._unbind_for_free(leaves)
         for k in leaves:
-            st = self.bases[k].untyped_storage()
+            st = self.base(k).untyped_storage()
             self.storage.pop(st.data_ptr(), None)
             self.held -= st.nbytes()
             if k not in kept:
@@ -304,9 +305,8 @@ class Group:
             self.move(S.PARTIAL)
 
     def free(self) -> None:
-        """Resident -> SHARDED: every gathered storage resized to 0 bytes, but one something
-        else holds ([Note: rank-independent freeing]). A gather still in flight into a group
-        that is not resident is left to finish; ALIASED stays, and so does a pinned group."""
+        """Resident -> SHARDED: gathered storages resized to 0 bytes, but held ones ([Note:
+        rank-independent freeing]); ALIASED and pinned groups stay."""
         if self.state in (S.SHARDED, S.GATHERING, S.ALIASED):
             return
         if self.state is S.PARTIAL_GATHERING:  # leaves on their way into its storages
@@ -316,7 +316,7 @@ class Group:
         kept = self._unbind_for_free(range(len(self.idx)))
         for k in self.sharded:
             if self.bases[k] is not None:
-                st = self.bases[k].untyped_storage()
+                st = self.base(k).untyped_storage()
                 self.storage.pop(st.data_ptr(), None)
                 if k not in kept:
                     st.resize_(0)
@@ -324,8 +324,7 @@ class Group:
         self.move(S.SHARDED)
 
     def _unbind_for_free(self, leaves) -> set[int]:
-        """Unbind ``leaves``; those whose storage must stay: their full tensor is held
-        elsewhere (a view of it, a C++ reference), or a C++ weak reference kept it bound."""
+        """Unbind ``leaves``; those whose storage stays: held elsewhere, or kept bound."""
         kept = set()
         for k in leaves:
             bound = self.lazies is not None and self.lazies[k] is not None
