@@ -328,3 +328,47 @@ def held(spec, dtype, how):
 def test_a_held_parameter_trains_as_one_not_held(pools, spec, dtype, how):
     for rank, err in enumerate(pools.run(spec, held, dtype, how)):
         assert err == 0.0 if how == "weak" else err < 1e-6, (rank, err)
+
+
+def profiled_own_checkpointing(spec, own, policy_checkpoint, prof):
+    """One step of an MLP whose layers checkpoint themselves (``own``) or under
+    Policy(checkpoint=True), profiled on every rank or on none (either keeps the ranks in
+    step): the warnings the step gives, and the loss."""
+    import functools
+    import warnings
+
+    import torch.utils.checkpoint as cp
+    from torch.profiler import ProfilerActivity, profile
+
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = MLP(dim=5, hidden=7, layers=3, out=3)
+    if own:
+        for layer in model.layers:
+            layer.forward = functools.partial(cp.checkpoint, layer.forward, use_reentrant=False)
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
+                         fs.optim.sgd(0.1),
+                         policy=fs.Policy(param_dtype=torch.bfloat16, checkpoint=policy_checkpoint))
+    state = step.init(fs.shard(fs.params(model), m))
+    b = (torch.randn(4, 5), torch.randn(4, 3))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+                state, metrics = step(state, b)
+        else:
+            state, metrics = step(state, b)
+    return [str(w.message) for w in seen if "profiler" in str(w.message)], metrics["loss"]
+
+
+@pytest.mark.parametrize("own,policy_checkpoint,prof,warned", [
+    (True, False, True, True), (True, False, False, False), (False, True, True, False)],
+    ids=["own-profiled", "own-unprofiled", "policy-profiled"])
+def test_the_models_own_checkpointing_under_the_profiler_warns(pools, own, policy_checkpoint,
+                                                               prof, warned):
+    """Where a profiled rank's recompute would go unseen (the model's own checkpointing, not
+    the Policy's, which gathers first), the step says so by name on that rank."""
+    for got, loss in pools.run(2, profiled_own_checkpointing, own, policy_checkpoint, prof):
+        assert bool(got) == warned and loss == loss, got
+        if warned:
+            assert "Profile every rank" in got[0] and "layers.0" in got[0], got
