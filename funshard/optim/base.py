@@ -273,6 +273,19 @@ def counts_tree(params: Tree) -> Tree:
                            is_leaf=is_none, none_is_leaf=False, namespace="funshard")
 
 
+def advance_counts(count: Tree, n: int, idx: list[int], step: int) -> tuple[list, Tree]:
+    """Each of the ``n`` leaves' updates before this one, and ``count`` with one more for the
+    leaves at ``idx`` (those updated now). A ``count`` of None (a state made before counts
+    were kept) stays None, and every leaf has had ``step`` updates."""
+    if count is None:
+        return [step] * n, None
+    _, prior, spec = flatten(count)
+    counts = list(prior)
+    for i in idx:
+        counts[i] += 1
+    return prior, unflatten(spec, counts)
+
+
 def as_delta(u: Any) -> Optional[Delta]:
     """A transform's output leaf as a Delta: plain tensors (a custom transform's) are wrapped."""
     if u is None or isinstance(u, Delta):

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
-                   ScalarOrSchedule, Tree, as_delta, check, check_lr, chunks, counts_tree,
-                   flatten, group_by, locals_of, lr_at, materialize, path_str, unflatten,
-                   zeros_tree)
+                   ScalarOrSchedule, Tree, advance_counts, as_delta, check, check_lr, chunks,
+                   counts_tree, flatten, group_by, locals_of, lr_at, materialize, path_str,
+                   unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -98,16 +98,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     def update(updates: Tree, state: AdamState, params: Tree, *, step: int):
         spec, leaves, idx, us, ps, (m, v) = active(updates, params, state.exp_avg,
                                                    state.exp_avg_sq, lazy=True)
-        if state.count is None:  # every leaf as many updates as the optimizer's steps
-            prior, c_spec = [step] * len(leaves), None
-        else:
-            _, prior, c_spec = flatten(state.count)
+        prior, count = advance_counts(state.count, len(leaves), idx, step)
+        state = state._replace(count=count)
         done = [prior[i] for i in idx]  # each active leaf's updates before this one
-        if c_spec is not None:
-            counts = list(prior)
-            for i in idx:
-                counts[i] += 1
-            state = state._replace(count=unflatten(c_spec, counts))
         out = list(leaves)
         if fused:
             for j, i in enumerate(idx):
@@ -163,15 +156,9 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
             return updates, state
         spec, leaves, idx, us, ps, (bufs,) = active(updates, params, state.momentum_buffer,
                                                     lazy=True)
-        if state.count is None:  # every leaf as many updates as the optimizer's steps
-            first = {i: step == 0 for i in idx}
-        else:
-            _, counts, c_spec = flatten(state.count)
-            first = {i: counts[i] == 0 for i in idx}
-            counts = list(counts)
-            for i in idx:
-                counts[i] += 1
-            state = state._replace(count=unflatten(c_spec, counts))
+        prior, count = advance_counts(state.count, len(leaves), idx, step)
+        state = state._replace(count=count)
+        first = {i: prior[i] == 0 for i in idx}  # a leaf's first update: buf = g
         out = list(leaves)
         with torch.no_grad():
             # a chunk of leaves at a time ([Note: lean updates]); Nesterov's update is a new
