@@ -32,10 +32,9 @@ when backward needs them. One group's life in a FULL_SHARD step::
   (one collective), finished before backward gathers the next group.
 
 [Note: rank-independent freeing] A rank's collectives must not depend on what it alone does
-(on NCCL, ranks that disagree hang, or read each other's bytes). A leaf held elsewhere when
-its group is freed (a profiler's weak references on one rank, a view, an uncollected cycle)
-is freed for the collectives all the same: the group goes SHARDED, its next use gathers as
-on every rank and writes the same bytes into the held storage, which alone is kept.
+(NCCL ranks that disagree hang, or read each other's bytes). A leaf held elsewhere (one
+rank's profiler, a view, an uncollected cycle) is freed for the collectives all the same:
+its group goes SHARDED and gathers again as on every rank, into the held storage it keeps.
 
 Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
 -> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
@@ -207,6 +206,10 @@ class Group:
         b = self.bases[k]
         return self.stands[k] if b is not None and self.lazies and b is self.lazies[k] else b
 
+    def bound(self, k: int) -> bool:
+        """Leaf ``k``'s stand-in is its full tensor (``lazies[k]`` holds the shell)."""
+        return self.lazies is not None and self.lazies[k] is not None
+
     @property
     def aliases(self) -> bool:
         """A world of one with no cast: the shards are the full tensors (see :meth:`alias`)."""
@@ -327,8 +330,7 @@ class Group:
         """Unbind ``leaves``; those whose storage stays: held elsewhere, or kept bound."""
         kept = set()
         for k in leaves:
-            bound = self.lazies is not None and self.lazies[k] is not None
-            full = self.stands[k] if bound else self.fulls[k]
+            full = self.stands[k] if self.bound(k) else self.fulls[k]
             held = full is not None and full._use_count() > 1  # before the swap
             if not self.unbind(k, held_ok=True) or held:
                 kept.add(k)
@@ -363,9 +365,8 @@ class Group:
 
     def unbind(self, k: int, held_ok: bool = False) -> bool:
         """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
-        False when something else still holds its full tensor (``held_ok``: only when a weak
-        reference stops it; never for an ALIASED leaf, which autograd holds as a leaf):
-        then it stays gathered."""
+        False, and it stays bound, when something else holds its full tensor (``held_ok``:
+        only when a weak reference does; never for an ALIASED leaf, autograd's own leaf)."""
         if self.pinned and not self.ended:
             return False
         shell = self.lazies[k] if self.lazies is not None else None

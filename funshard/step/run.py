@@ -253,8 +253,8 @@ class Run:
         rank-independent freeing] in .group; Policy(checkpoint=) regions gather first)."""
         if self.policy.checkpoint or not _profiling():
             return
-        stuck = [g.name for g in self.groups if not g.pinned and g.lazies
-                 and any(x is not None for x in g.lazies)]
+        stuck = [g.name for g in self.groups
+                 if not g.pinned and any(g.bound(k) for k in range(len(g.idx)))]
         if stuck:
             warnings.warn(
                 f"train_step: torch.profiler (record_shapes or with_stack) holds parameters of "
