@@ -48,6 +48,19 @@ def exchange_on_rank_1_only():
     return "returned"
 
 
+def mismatched_exchanges():
+    """Both ranks start an exchange, of different sizes: each raises on the other's, which
+    stays unconsumed; a next call on these ranks would queue behind it."""
+    from funshard.comm import cma_link
+
+    link = cma_link.link_of(dist.group.WORLD)
+    if link is None:
+        return "no cross-memory exchange here"
+    link.post("all-gather", 8 * (1 + dist.get_rank()), [], lambda peer, words: ([], []))
+    link.finish(link.pending[-1]) if link.pending else None
+    return "returned"
+
+
 @pytest.fixture(scope="module")
 def pool():
     with Pool(2, timeout=60) as p:
@@ -98,4 +111,14 @@ def test_a_call_that_leaves_ranks_out_of_step_fails_by_name(pool):
         pytest.skip(got[0])
     assert "exchange_on_rank_1_only" in msg and "out of step" in msg, msg
     assert "rank 0: ok" in msg and "rank 1: ok" in msg, msg
+    assert pool.run(rank_and_sum) == [(0, 1.0), (1, 1.0)]  # restarted and usable
+
+
+def test_a_call_that_parts_the_ranks_collectives_restarts_the_pool(pool):
+    with pytest.raises(RankError) as e:
+        got = pool.run(mismatched_exchanges)
+        assert got[0] == "no cross-memory exchange here", f"parted, not seen: {got}"
+        pytest.skip(got[0])
+    msg = str(e.value)
+    assert "ranks started different collectives" in msg and "out of step" in msg, msg
     assert pool.run(rank_and_sum) == [(0, 1.0), (1, 1.0)]  # restarted and usable

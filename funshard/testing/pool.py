@@ -133,15 +133,17 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
 
 
 def _out_of_step(replies: dict) -> str:
-    """'' when every rank's cross-memory links stand where their peers' do; else where not.
-    A call that raised on one rank after an exchange its peers never started (and was
-    caught, or raised on them before it) leaves its link one exchange ahead."""
+    """'' when every rank's cross-memory links stand where their peers' do, every exchange
+    consumed; else where not. A call that raised on one rank after an exchange its peers
+    never started (and was caught, or raised on them before it) leaves its link one exchange
+    ahead; one that raised on a mismatched exchange leaves it unconsumed on every rank (the
+    next call's exchanges would queue behind it and fail the same way)."""
     by_group: dict[str, dict[int, tuple]] = {}
     for r, rep in replies.items():
         for name, pos in (rep[2] if len(rep) > 2 else {}).items():
             by_group.setdefault(name, {})[r] = pos
     for name, pos in sorted(by_group.items()):
-        if len({p[0] for p in pos.values()}) > 1:
+        if len({p[0] for p in pos.values()}) > 1 or any(p[1] for p in pos.values()):
             return f"process group {name!r}, (posted, unfinished) by rank: {pos}"
     return ""
 
