@@ -19,24 +19,34 @@ exchange on the group is numbered, in the order all ranks start them:
 
 - posting exchange ``s``: this rank's part is in place (its own rows of a gather, its
   reduce input); a descriptor lists their addresses; ring slot ``s % RING`` says (kind,
-  logical bytes, descriptor), its number ``s`` written last;
-- consuming a peer's ``s``: once its slot says ``s``, check it is the same collective (a
-  different one, or other sizes, is an error naming both), read the descriptor, read the
-  bytes this rank needs, then record ``consumed[peer] = s``;
+  logical bytes, descriptor, a seal over these and ``s``), its number ``s`` written last;
+- consuming a peer's ``s``: once its slot says ``s`` and the seal matches, check it is the
+  same collective (a different one, or other sizes, is an error naming both), read the
+  descriptor, read the bytes this rank needs, then record ``consumed[peer] = s``;
 - ``wait``: consume every earlier exchange in order (nothing hangs on which call a rank is
   in), then wait until every peer consumed this rank's ``s``: until then its tensors stay
   untouched (the caller may free or reuse them after ``wait``).
 
-x86-64 keeps stores in order, so a reader that sees ``s`` sees the bytes written before
-it; other machines use ``"p2p"``. Failures: a peer process that is gone ends the read
-(``ESRCH``: a lost peer); a peer's posted error is read from the store while waiting
+x86-64 keeps stores in order, so a later read that follows one seeing ``s`` sees the bytes
+written before it (the descriptor, the tensors); other machines use ``"p2p"``. Within one
+read, though, the kernel's copy (``rep movsb``, a fast-string operation) may load the
+slot's words in any order: a slot read while its writer fills it can show ``s`` beside
+fields of the exchange that had the slot ``RING`` earlier. The likely cause of a CI failure
+(2026-11) that named matching collectives as different ("320 bytes in 2 tensors on rank 0
+... in 4 tensors on rank 1": no gather of this model has 2 tensors and 320 bytes); a stale
+descriptor address would have read old tensors' bytes silently. So each slot carries a seal
+over its number and fields: a slot whose seal does not match is not posted yet, and is read
+again.
+
+Failures: a peer process that is gone ends the read (``ESRCH``: a lost peer); a peer's
+posted error is read from the store while waiting
 (:class:`~funshard.comm.failures.RankFailed` at once); past the process group's timeout the
 wait times out. A group uses this transport only if every rank passes a handshake through
-the store (same host, each can read each peer: ``FUNSHARD_CMA=0`` opts a rank out, and
-then ``"auto"`` is ``"p2p"`` on every rank of that group). Reading a process takes the
-permission to trace it: the same user, and under Yama's ``ptrace_scope`` 1 a rank that
-offers this transport lets its user's processes read it (``PR_SET_PTRACER_ANY``); where
-that is not wanted, ``FUNSHARD_CMA=0``.
+the store (same host, each can read each peer: ``FUNSHARD_CMA=0`` opts a rank out, and then
+``"auto"`` is ``"p2p"`` on every rank of that group). Reading a process takes the permission
+to trace it: the same user, and under Yama's ``ptrace_scope`` 1 a rank that offers this
+transport lets its user's processes read it (``PR_SET_PTRACER_ANY``); where that is not
+wanted, ``FUNSHARD_CMA=0``.
 """
 
 from __future__ import annotations
@@ -61,13 +71,21 @@ import torch.distributed as dist
 from . import failures
 
 RING = 64  # exchanges in flight per group before a post waits for peers to consume
-_SLOT = 5  # seq, kind, logical bytes, descriptor address, descriptor words
+_SLOT = 6  # seq, kind, logical bytes, descriptor address, descriptor words, seal
 _HEAD = 2  # token, (unused)
 _IOV_MAX = 1024
 _CALL_BYTES = 1 << 30
 _KINDS = {"all-gather": 1, "reduce-scatter": 2, "reduce-scatter from leaves": 3,
           "all-to-all": 4}
 _NAMES = {v: k for k, v in _KINDS.items()}
+
+
+def _seal(seq: int, kind: int, nbytes: int, desc: int, words: int) -> int:
+    """A slot's seal, as a signed int64: its number and fields, each times an odd 64-bit
+    constant, summed mod 2^64 (a change in any one of them changes it; 0.3 us)."""
+    h = (seq * 0x9E3779B97F4A7C15 + kind * 0xC2B2AE3D27D4EB4F + nbytes * 0x165667B19E3779F9
+         + desc * 0xD6E8FEB86659FD93 + words * 0xFF51AFD7ED558CCD) & 0xFFFFFFFFFFFFFFFF
+    return h - (1 << 64) if h >> 63 else h
 
 
 class _Iov(ctypes.Structure):
@@ -193,7 +211,8 @@ class _Link:
             at = _HEAD + self.world + (s % RING) * _SLOT
             self.ctl[at + 1], self.ctl[at + 2] = ex.kind, nbytes
             self.ctl[at + 3], self.ctl[at + 4] = ctypes.addressof(desc), len(words)
-            self.ctl[at] = s  # last: a reader that sees s sees the rest
+            self.ctl[at + 5] = _seal(s, ex.kind, nbytes, ctypes.addressof(desc), len(words))
+            self.ctl[at] = s  # last (see [Note: cross-memory exchange] on the seal)
             self.seq = s
             self.recent.append((s, kind, nbytes, len(words)))
             if self.peers:
@@ -219,9 +238,9 @@ class _Link:
                     continue
                 at = _HEAD + self.world + (ex.seq % RING) * _SLOT
                 v = self.view[p]
-                if v[at] != ex.seq:
-                    blocked.add(p)  # not posted yet: later ones are not either
-                    continue
+                if v[at] != ex.seq or v[at + 5] != _seal(ex.seq, *v[at + 1 : at + 5]):
+                    blocked.add(p)  # not posted yet (or read half-written): later ones are
+                    continue  # not either
                 if (v[at + 1], v[at + 2], v[at + 4]) != (ex.kind, ex.nbytes, ex.words):
                     last = ", ".join("#%d %s of %d bytes in %d tensors" % r for r in self.recent)
                     raise RuntimeError(
