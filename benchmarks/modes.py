@@ -1,4 +1,5 @@
-"""The benchmark's modes: one model (:mod:`benchmarks.shapes`), the same batches, and each mode's training step over a copy.
+"""The benchmark's modes: one model (:mod:`benchmarks.shapes`), the same batches, and each
+mode's training step over a copy.
 
     funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
     funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)

@@ -166,7 +166,8 @@ def make_mesh(
     if shard * replicate != world:
         raise ValueError(
             f"make_mesh: shard={shard} x replicate={replicate} = {shard * replicate} ranks, but "
-            f"the world has {world}; the mesh must cover every rank (e.g. shard={world // replicate})."
+            f"the world has {world}; the mesh must cover every rank "
+            f"(e.g. shard={world // replicate})."
         )
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD,))

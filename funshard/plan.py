@@ -60,7 +60,8 @@ class Plan(NamedTuple):
 
 
 def gpt_order(layers: int, root: str = "", prefix: str = "layers") -> dict[str, list[str]]:
-    """Group use order of :class:`funshard.testing.models.GPT` (``forward=``, ``backward=`` of plan).
+    """Group use order of :class:`funshard.testing.models.GPT` (``forward=``, ``backward=`` of
+    plan).
 
     Forward uses the root group (embeddings), every block, the root again (final norm and
     tied head); backward starts with the root still gathered, regathers every block in

@@ -1,8 +1,9 @@
 """One rank fails or misbehaves; run by tests/test_catalogue.py as
 ``python fault_rank.py MODE PORT RANK WORLD [DIR]`` with make_mesh(timeout=TIMEOUT).
 
-Each rank prints one line, ``RAISED <time.time()> <type>: <message>`` or ``NO ERROR``, then exits as an uncaught error would (the failing rank's
-process ends, as under torchrun). Modes: see MODES below.
+Each rank prints one line, ``RAISED <time.time()> <type>: <message>`` or ``NO ERROR``, then
+exits as an uncaught error would (the failing rank's process ends, as under torchrun). Modes:
+see MODES below.
 """
 
 import os

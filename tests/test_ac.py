@@ -414,7 +414,8 @@ def test_two_regions_in_one_group(pools, reentrant, raf):
     refused by name."""
     for what, got in pools.run(2, two_regions_one_group, reentrant, raf):
         if reentrant:
-            assert what == "refused" and "region and outside it (or in another region)" in got, (what, got)
+            assert (what == "refused"
+                    and "region and outside it (or in another region)" in got), (what, got)
         else:
             assert what == "trained" and got < 1e-5, (what, got)
 
@@ -428,6 +429,7 @@ def test_group_used_just_before_its_region(pools, reentrant, raf):
     before the use outside has its gradient)."""
     for what, got in pools.run(2, two_regions_one_group, reentrant, raf, True):
         if reentrant:
-            assert what == "refused" and "region and outside it (or in another region)" in got, (what, got)
+            assert (what == "refused"
+                    and "region and outside it (or in another region)" in got), (what, got)
         else:
             assert what == "trained" and got < 1e-5, (what, got)

@@ -1,5 +1,5 @@
-"""The cross-memory transport (funshard.comm.cma, .cma_link): what the handshake decides, a queue that
-wraps its ring, and ranks that start different collectives.
+"""The cross-memory transport (funshard.comm.cma, .cma_link): what the handshake decides, a
+queue that wraps its ring, and ranks that start different collectives.
 
 Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
 test, 2, 3, 4 ranks and 2x2); every step test on gloo runs on it, as "auto" picks it here.

@@ -291,7 +291,8 @@ def test_benchmark_short_on_device(tmp_path, precision):
                  "--modes", "funshard_full,fsdp2_full,floor", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["modes"]["funshard_full"]["x_twin"] > 0 and res["modes"]["funshard_full"]["x_floor"] > 0
+    assert (res["modes"]["funshard_full"]["x_twin"] > 0
+            and res["modes"]["funshard_full"]["x_floor"] > 0)
     assert res["config"]["precision"] == precision
 
 

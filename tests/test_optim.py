@@ -27,7 +27,8 @@ def mesh():
 def _make(shapes, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     params = {f"p{i}": torch.randn(s, generator=g, dtype=dtype) for i, s in enumerate(shapes)}
-    grads = [{k: torch.randn(v.shape, generator=g, dtype=dtype) for k, v in params.items()} for _ in range(STEPS)]
+    grads = [{k: torch.randn(v.shape, generator=g, dtype=dtype) for k, v in params.items()}
+             for _ in range(STEPS)]
     return params, grads
 
 
@@ -35,7 +36,8 @@ def _dist(t, mesh):
     return distribute_tensor(t, mesh, [Shard(0)] if t.ndim >= 1 else [Replicate()])
 
 
-def _run_both(make_opt, make_torch, shapes=SHAPES, dtype=torch.float32, seed=0, mesh=None, lr_fn=None):
+def _run_both(make_opt, make_torch, shapes=SHAPES, dtype=torch.float32, seed=0, mesh=None,
+              lr_fn=None):
     """Run funshard and torch.optim side by side; return (ours, reference) param dicts."""
     init, grads = _make(shapes, dtype, seed)
     ref = {k: v.clone().requires_grad_(True) for k, v in init.items()}
@@ -58,7 +60,8 @@ def _run_both(make_opt, make_torch, shapes=SHAPES, dtype=torch.float32, seed=0, 
     assert {k: id(v) for k, v in params.items()} == ids  # leaf identity preserved
     for p in params.values():
         assert p.is_leaf and p.requires_grad
-    ours = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in params.items()}
+    ours = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in params.items()}
     return ours, {k: v.detach() for k, v in ref.items()}, state
 
 
@@ -85,7 +88,8 @@ SGD_CASES = [
 @pytest.mark.parametrize("kw", SGD_CASES)
 def test_sgd_parity(kw, dtype, use_mesh, request):
     mesh = request.getfixturevalue("mesh") if use_mesh else None
-    ours, ref, _ = _run_both(lambda: optim.sgd(0.05, **kw), lambda ps: torch.optim.SGD(ps, lr=0.05, foreach=True, **kw),
+    ours, ref, _ = _run_both(lambda: optim.sgd(0.05, **kw),
+                             lambda ps: torch.optim.SGD(ps, lr=0.05, foreach=True, **kw),
                              dtype=dtype, mesh=mesh)
     _assert_equal(ours, ref)
 
@@ -103,7 +107,8 @@ ADAMW_CASES = [
 def test_adamw_parity(kw, dtype, use_mesh, request):
     mesh = request.getfixturevalue("mesh") if use_mesh else None
     ours, ref, state = _run_both(lambda: optim.adamw(1e-2, **kw),
-                                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, **kw), dtype=dtype, mesh=mesh)
+                                 lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, **kw),
+                                 dtype=dtype, mesh=mesh)
     _assert_equal(ours, ref)
     assert isinstance(state, optim.AdamWState)
 
@@ -112,14 +117,17 @@ def test_adamw_parity(kw, dtype, use_mesh, request):
 def test_lr_schedule(which):
     sched = lambda step: 0.1 / (1 + step)
     if which == "sgd":
-        mk, mt = (lambda: optim.sgd(sched, 0.9)), (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True))
+        mk, mt = ((lambda: optim.sgd(sched, 0.9)),
+                  (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)))
     else:
-        mk, mt = (lambda: optim.adamw(sched)), (lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True))
+        mk, mt = ((lambda: optim.adamw(sched)),
+                  (lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True)))
     ours, ref, _ = _run_both(mk, mt, lr_fn=sched)
     _assert_equal(ours, ref)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lr=st.floats(1e-5, 0.1),
     b1=st.floats(0.0, 0.99),
@@ -130,7 +138,8 @@ def test_lr_schedule(which):
 )
 def test_adamw_property(lr, b1, b2, wd, shapes, seed):
     ours, ref, _ = _run_both(lambda: optim.adamw(lr, (b1, b2), weight_decay=wd),
-                             lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2), weight_decay=wd, foreach=True),
+                             lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2),
+                                                          weight_decay=wd, foreach=True),
                              shapes=shapes, seed=seed)
     _assert_equal(ours, ref, bitwise=False, rtol=1e-5, atol=1e-6)
 
@@ -199,7 +208,8 @@ def test_tree_mismatch_and_shape_errors():
     with pytest.raises(ValueError, match=r"\bb\b.*\(2,\).*\(3,\)"):
         opt.update({"a": torch.ones(3), "b": torch.ones(3)}, state, params, step=0)
     with pytest.raises(ValueError, match=r"schedule.*-1\.0"):
-        optim.sgd(lambda s: -1.0).update({"a": torch.ones(3), "b": None}, optim.SGDState(None), params, step=0)
+        optim.sgd(lambda s: -1.0).update({"a": torch.ones(3), "b": None}, optim.SGDState(None),
+                                         params, step=0)
 
 
 def test_grads_untouched_and_key_order():
@@ -260,7 +270,8 @@ def test_fused_adamw_schedule_mask_and_clip():
         saved = {k: v.clone() for k, v in g.items()}
         params, state = opt.update(g, state, params, step=step)
         assert all(torch.equal(g[k], saved[k]) for k in g), "the kernel wrote into the grads"
-    _assert_equal({k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in ref.items()},
+    _assert_equal({k: v.detach() for k, v in params.items()},
+                  {k: v.detach() for k, v in ref.items()},
                   bitwise=False, rtol=1e-5, atol=1e-6)
 
 

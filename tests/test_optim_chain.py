@@ -39,7 +39,8 @@ def _ours(opt, init, grads, steps=STEPS):
 
 def _torch(make_opt, init, grads, groups=None, sched=None, clip=None, steps=STEPS):
     ref = {k: v.clone().requires_grad_(True) for k, v in init.items()}
-    pg = [{"params": [ref[k] for k in ks], **kw} for ks, kw in groups] if groups else list(ref.values())
+    pg = ([{"params": [ref[k] for k in ks], **kw} for ks, kw in groups] if groups
+          else list(ref.values()))
     topt = make_opt(pg)
     s = sched(topt) if sched else None
     for step in range(steps):
@@ -130,7 +131,8 @@ def test_schedules_match_torch_lr_scheduler():
         assert math.isclose(opt.param_groups[0]["lr"], ours(step), rel_tol=1e-9), step
         opt.step(), cos.step()
     wc = optim.warmup_cosine(1.0, 4, 12, init=0.2, end=0.1)
-    hand = [0.2, 0.4, 0.6, 0.8] + [0.1 + 0.9 * (1 + math.cos(math.pi * k / 8)) / 2 for k in range(9)]
+    hand = [0.2, 0.4, 0.6, 0.8] + [0.1 + 0.9 * (1 + math.cos(math.pi * k / 8)) / 2
+                                   for k in range(9)]
     assert [round(wc(s), 12) for s in range(13)] == [round(h, 12) for h in hand]
     assert wc(100) == 0.1 and optim.constant(0.3)(7) == 0.3
 
@@ -140,7 +142,8 @@ def test_adamw_with_warmup_cosine_is_torch_with_scheduler():
     lr = optim.warmup_cosine(1e-2, 2, STEPS)
     ours, _ = _ours(optim.adamw(lr, weight_decay=0.1), init, grads)
     ref = _torch(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True), init,
-                 grads, sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr(s) / 1e-2))
+                 grads,
+                 sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr(s) / 1e-2))
     _equal(ours, ref, tol=1e-7)
 
 
@@ -162,16 +165,19 @@ def test_apply_if_finite_skips_the_step_and_keeps_the_state():
     after, s_after = _ours(opt, init, grads, steps=3)
     _equal(after, before)
     _equal(s_after.exp_avg, s_before.exp_avg)
-    with pytest.raises(FloatingPointError, match=r"global gradient norm is nan at step 2.*apply_if_finite"):
+    with pytest.raises(FloatingPointError,
+                       match=r"global gradient norm is nan at step 2.*apply_if_finite"):
         _ours(optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), init, grads, steps=3)
 
 
 def test_chain_state_structure_and_nesting():
     params = {"a": torch.randn(3, requires_grad=True)}
-    assert optim.chain(optim.clip_by_global_norm(1.0), optim.scale(2.0)).init(params) == optim.EmptyState()
+    assert (optim.chain(optim.clip_by_global_norm(1.0), optim.scale(2.0)).init(params)
+            == optim.EmptyState())
     two = optim.chain(optim.trace(0.9), optim.scale_by_adam(), optim.scale_by_learning_rate(0.1))
     st = two.init(params)
-    assert isinstance(st, tuple) and isinstance(st[0], optim.TraceState) and isinstance(st[1], optim.AdamState)
+    assert (isinstance(st, tuple) and isinstance(st[0], optim.TraceState)
+            and isinstance(st[1], optim.AdamState))
     nested = optim.chain(optim.chain(optim.scale_by_adam()), optim.scale_by_learning_rate(0.1))
     assert isinstance(nested.init(params), optim.AdamState)
     with pytest.raises(TypeError, match=r"chain: argument 0.*got function"):
@@ -202,7 +208,8 @@ def _stack(spec):
     label = lambda fqn: "lora" if fqn.startswith("lora") else "base"
     return optim.chain(
         optim.apply_if_finite(), optim.clip_by_global_norm(0.5),
-        optim.multi_transform({"base": optim.adamw(optim.warmup_cosine(1e-2, 2, STEPS), mask=decays),
+        optim.multi_transform({"base": optim.adamw(optim.warmup_cosine(1e-2, 2, STEPS),
+                                                   mask=decays),
                                "lora": optim.sgd(0.1, momentum=0.9)}, label))
 
 
@@ -256,7 +263,8 @@ def resume(spec, path):
     resumed = fs.state_dict(run(loaded, STEPS), "full")
     keys = list(straight)
     same = keys == list(resumed) and all(
-        torch.equal(straight[k], resumed[k]) if torch.is_tensor(straight[k]) else straight[k] == resumed[k]
+        torch.equal(straight[k], resumed[k]) if torch.is_tensor(straight[k])
+        else straight[k] == resumed[k]
         for k in keys)
     return same, keys
 

@@ -74,7 +74,8 @@ def shards_vs_one(spec, cases):
         params = _sharded(m, init)
         params, state = _run(opt, params, opt.init(params), grads, 0, STEPS)
         full, ref = fs.unshard(params), _one_process(name, kw, init, grads)
-        out[name] = max(((full[k] - ref[k]).abs() / (1 + ref[k].abs())).max().item() for k in SHAPES)
+        out[name] = max(((full[k] - ref[k]).abs() / (1 + ref[k].abs())).max().item()
+                        for k in SHAPES)
     return out
 
 

@@ -108,5 +108,6 @@ def test_broadcast_prefix():
 
 
 def test_from_fqn_dict_reports_missing_and_unexpected():
-    with pytest.raises(pytree.TreeMismatchError, match=r"missing keys \['b'\].*unexpected keys \['c'\]"):
+    with pytest.raises(pytree.TreeMismatchError,
+                       match=r"missing keys \['b'\].*unexpected keys \['c'\]"):
         pytree.from_fqn_dict({"a": 1, "c": 2}, like={"a": torch.zeros(1), "b": torch.zeros(1)})

@@ -287,7 +287,8 @@ def errors(spec):
     dp = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     case("no_shard_dim", lambda: fs.shard({"a": torch.randn(2)}, dp))
     case("mismatch", lambda: fs.reshard({"a": torch.randn(7, 3), "c": [torch.randn(2)]}, like=good))
-    case("bad_shape", lambda: fs.reshard({"a": torch.randn(6, 3), "b": [torch.randn(2)]}, like=good))
+    case("bad_shape",
+         lambda: fs.reshard({"a": torch.randn(6, 3), "b": [torch.randn(2)]}, like=good))
     two = {"a": good["a"], "z": fs.shard(torch.randn(4, 2), mesh("2x2"))}
     case("two_meshes", lambda: fs.unshard(two))
     bad_pl = distribute_tensor(torch.randn(4, 6), m, [Replicate()] * (m.ndim - 1) + [Shard(1)])

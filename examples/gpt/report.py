@@ -77,11 +77,13 @@ def print_summary(summary: dict, sample: str, out: Path) -> None:
     print(f"\nfunshard demo: {summary['world']} ranks, mesh {summary['mesh']}, "
           f"policy {summary['policy']}", flush=True)
     if summary["resumed_from"]:
-        print(f"  resumed from     {summary['resumed_from'][0]} (step {summary['resumed_from'][1]})")
+        print(f"  resumed from     {summary['resumed_from'][0]} "
+              f"(step {summary['resumed_from'][1]})")
     print(f"  steps            {summary['steps']} ({summary['steps_this_run']} this run, "
           f"{summary['wall_s']:.1f} s)")
     if summary["final_loss"] is not None:
-        print(f"  final loss       {summary['final_loss']:.4f} (validation {summary['val_loss']:.4f})")
+        print(f"  final loss       {summary['final_loss']:.4f} "
+              f"(validation {summary['val_loss']:.4f})")
     if summary["tokens_per_s"]:
         print(f"  tokens/s         {summary['tokens_per_s']:,.0f}")
     print(f"  peak memory/rank {summary['peak_mem_mb_per_rank']} MB")

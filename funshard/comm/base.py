@@ -63,7 +63,8 @@ def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
     try:
         yield
     except RuntimeError as e:
-        if isinstance(e, (RankFailed, failures.PeerLost, CollectiveTimeout)) or not failures.is_comm_failure(e):
+        if (isinstance(e, (RankFailed, failures.PeerLost, CollectiveTimeout))
+                or not failures.is_comm_failure(e)):
             raise
         where = kind + (f" on mesh dimension {dim!r}" if dim else "") + (
             f" of {mesh_str(mesh)}" if mesh is not None else "")

@@ -133,13 +133,15 @@ def global_norm(updates: Tree, params: Tree) -> float:
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale the updates by ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s
-    rule) with the global norm over all ranks; the factor stays pending (no copy).
+    """Scale the updates by ``min(1, max_norm / (norm + 1e-6))``
+    (``torch.nn.utils.clip_grad_norm_``'s rule) with the global norm over all ranks; the factor
+    stays pending (no copy).
 
     Raises FloatingPointError when the norm is NaN or inf (put :func:`apply_if_finite` first
     to skip such steps instead).
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+    if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+            or not 0 < max_norm < math.inf):
         raise ValueError(f"Invalid max_norm: {max_norm!r} (valid range: 0 < max_norm < inf)")
 
     def update(updates: Tree, state: Tree, params: Tree, *, step: int):
@@ -155,7 +157,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if coef >= 1.0:
             return updates, state
         _, leaves, spec = flatten(updates)
-        return unflatten(spec, [None if u is None else as_delta(u).scaled(coef) for u in leaves]), state
+        return unflatten(spec, [None if u is None else as_delta(u).scaled(coef)
+                                for u in leaves]), state
 
     return GradientTransformation(lambda params: EmptyState(), update, True)
 

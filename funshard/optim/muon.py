@@ -26,7 +26,8 @@ from .. import comm
 from ..layout import layout_of
 from ..mesh import SHARD, mesh_device
 from .alias import adamw
-from .base import Delta, GradientTransformation, Optimizer, Tree, flatten, path_str, unflatten, zeros_tree
+from .base import (Delta, GradientTransformation, Optimizer, Tree, flatten, path_str, unflatten,
+                   zeros_tree)
 from .combine import chain, multi_transform
 from .transforms import active, add_decayed_weights, scale_by_learning_rate
 
@@ -61,7 +62,8 @@ def adjusted_ratio(shape, adjust_lr_fn: Optional[str]) -> float:
         return math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"muon: adjust_lr_fn={adjust_lr_fn!r}; use None, 'original' or 'match_rms_adamw'")
+    raise ValueError(f"muon: adjust_lr_fn={adjust_lr_fn!r}; use None, 'original' or "
+                     "'match_rms_adamw'")
 
 
 def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
@@ -93,7 +95,8 @@ def orthogonalize(us: list[torch.Tensor], lays: list, mesh, ns) -> list[torch.Te
     like = torch.empty(0, dtype=torch.bfloat16, device=mesh_device(mesh))
     send = [[] if d == me else [us[j] for j in range(len(us)) if own[j] == d] for d in range(world)]
     got = _all_to_all(send, [0 if s == me else sum(lays[j].rows_on(s) * lays[j].row_numel
-                                                   for j in mine) for s in range(world)], like, pg, mesh)
+                                                   for j in mine) for s in range(world)],
+                      like, pg, mesh)
     offs, results = [0] * world, {}
     for j in mine:
         rows = []
@@ -192,7 +195,8 @@ def muon(lr=1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: b
     rule = chain(scale_by_muon(momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
                                eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
                  add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
-    label = lambda fqn, p: ("muon" if p is not None and p.ndim == 2 and (matrices is None or matrices(fqn))
+    label = lambda fqn, p: ("muon" if p is not None and p.ndim == 2
+                                      and (matrices is None or matrices(fqn))
                             else "other")
     return chain(multi_transform({"muon": rule, "other": other or adamw(3e-4, weight_decay=0.01)},
                                  label))

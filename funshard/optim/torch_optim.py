@@ -116,10 +116,12 @@ def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
         for k, (elem, dev, dtype) in keys.items():
             state[k] = unflatten(spec, [None if p is None or not p.requires_grad else
                                         zeros_like(p) if elem else
-                                        _replicated(torch.zeros((), dtype=dtype, device=local(p).device), p)
+                                        _replicated(torch.zeros((), dtype=dtype,
+                                                                device=local(p).device), p)
                                         for p in leaves])
         stepped = unflatten(spec, [None if p is None or not p.requires_grad else
-                                   _replicated(torch.zeros((), dtype=torch.int64, device=local(p).device), p)
+                                   _replicated(torch.zeros((), dtype=torch.int64,
+                                                           device=local(p).device), p)
                                    for p in leaves])
         return TorchState(state, stepped)
 

@@ -132,7 +132,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     return GradientTransformation(init, update)
 
 
-def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+def trace(momentum: float, *, dampening: float = 0.0,
+          nesterov: bool = False) -> GradientTransformation:
     """SGD's momentum buffer ``buf = momentum * buf + (1 - dampening) * g``; ``buf = g`` at a
     leaf's first update (its ``count`` is 0), as torch.optim.SGD's.
 
@@ -141,7 +142,8 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
     """
     check("momentum", momentum, momentum >= 0.0, "momentum >= 0")
     if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f"Invalid nesterov=True with momentum={momentum!r}, dampening={dampening!r} "
+        raise ValueError(f"Invalid nesterov=True with momentum={momentum!r}, "
+                         f"dampening={dampening!r} "
                          "(valid range: momentum > 0 and dampening == 0)")
 
     def init(params: Tree) -> TraceState:
@@ -200,7 +202,8 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """Multiply the updates by ``-lr`` (descent); ``lr`` a number or a schedule ``step -> lr``."""
     check_lr(lr)
     return GradientTransformation(lambda params: EmptyState(),
-                                  lambda u, s, p, *, step: (_scale_all(u, -lr_at(lr, step)), s), True)
+                                  lambda u, s, p, *, step: (_scale_all(u, -lr_at(lr, step)), s),
+                                  True)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:

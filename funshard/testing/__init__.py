@@ -5,9 +5,10 @@ tensor memory, parity inputs, small reference models.
     >>> with Pool(2) as pool:
     ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
 
-``pool`` (Pool, mesh, the lane's DEVICE / device / devices_for), ``counting`` (classify, CountCollectives), ``memory`` (LiveMemory,
-LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture), ``launch`` (free_port,
-under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss, MatMulT).
+``pool`` (Pool, mesh, the lane's DEVICE / device / devices_for), ``counting`` (classify,
+CountCollectives), ``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor,
+capture), ``launch`` (free_port, under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss,
+MatMulT).
 """
 
 from . import models

@@ -269,7 +269,8 @@ class Pool:
             if kind == "ok":
                 lines.append(f"--- rank {r}: ok")
             elif kind == "hung":
-                why = "timed out" if failed_at is None else "did not answer after another rank failed"
+                why = ("timed out" if failed_at is None
+                       else "did not answer after another rank failed")
                 lines.append(f"--- rank {r}: {why} ({timeout:.0f}s limit)")
             else:
                 lines.append(f"--- rank {r}: {val}")
