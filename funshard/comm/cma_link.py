@@ -210,8 +210,8 @@ class _Link:
             ex = _Exchange(self, s, _KINDS[kind], nbytes, desc, plan, then, keep)
             at = _HEAD + self.world + (s % RING) * _SLOT
             self.ctl[at + 1], self.ctl[at + 2] = ex.kind, nbytes
-            self.ctl[at + 3], self.ctl[at + 4] = ctypes.addressof(desc), len(words)
-            self.ctl[at + 5] = _seal(s, ex.kind, nbytes, ctypes.addressof(desc), len(words))
+            self.ctl[at + 3], self.ctl[at + 4] = ctypes.addressof(desc), ex.words
+            self.ctl[at + 5] = _seal(s, ex.kind, nbytes, self.ctl[at + 3], ex.words)
             self.ctl[at] = s  # last (see [Note: cross-memory exchange] on the seal)
             self.seq = s
             self.recent.append((s, kind, nbytes, len(words)))

@@ -330,7 +330,7 @@ class Group:
         """Unbind ``leaves``; those whose storage stays: held elsewhere, or kept bound."""
         kept = set()
         for k in leaves:
-            full = self.stands[k] if self.bound(k) else self.fulls[k]
+            full = self.fulls[k]  # bound: the stand-in object itself (see bind_all)
             held = full is not None and full._use_count() > 1  # before the swap
             if not self.unbind(k, held_ok=True) or held:
                 kept.add(k)
