@@ -48,7 +48,8 @@ import enum
 import torch
 
 from .. import comm
-from .lazy import LazyParam, in_place_error, lazy_swap
+from .binding import Binding
+from .lazy import LazyParam
 from .params import ParamGroups
 
 
@@ -77,7 +78,7 @@ class IllegalTransition(RuntimeError):
     """A group was asked to move between two states that do not follow: a funshard bug."""
 
 
-class Group:
+class Group(Binding):
     """Group ``gi`` in one micro-batch: its gathered tensors and where they stand.
 
     ``storage`` maps the data pointer of every gathered storage to ``(group, leaf)``, for
@@ -201,14 +202,9 @@ class Group:
             self.versions.__exit__(None, None, None)
             self.versions = None
 
-    def base(self, k: int) -> torch.Tensor | None:
-        """Leaf ``k``'s padded full tensor: bound, unpadded, that is the stand-in object."""
-        b = self.bases[k]
-        return self.stands[k] if b is not None and self.lazies and b is self.lazies[k] else b
-
-    def bound(self, k: int) -> bool:
-        """Leaf ``k``'s stand-in is its full tensor (``lazies[k]`` holds the shell)."""
-        return self.lazies is not None and self.lazies[k] is not None
+    @property
+    def aliased(self) -> bool:
+        return self.state is S.ALIASED
 
     @property
     def aliases(self) -> bool:
@@ -349,40 +345,6 @@ class Group:
         self.storage.pop(b.untyped_storage().data_ptr(), None)
         self.held -= b.untyped_storage().nbytes()
         self.bases[k] = self.fulls[k] = None
-
-    # binding (see [Note: binding] in .lazy) ------------------------------------------
-
-    def bind_all(self) -> None:
-        """Make every gathered leaf's stand-in its full tensor: later ops on it are plain."""
-        if self.stands is None:
-            return
-        for k, full in enumerate(self.fulls):
-            if k in self.params.unbindable[self.gi]:
-                continue
-            if self.lazies[k] is None and full is not None and lazy_swap(self.stands[k], full):
-                self.lazies[k], self.fulls[k] = full, self.stands[k]
-                self.bound_version[k] = self.stands[k]._version
-
-    def unbind(self, k: int, held_ok: bool = False) -> bool:
-        """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
-        False, and it stays bound, when something else holds its full tensor (``held_ok``:
-        only when a weak reference does; never for an ALIASED leaf, autograd's own leaf)."""
-        if self.pinned and not self.ended:
-            return False
-        shell = self.lazies[k] if self.lazies is not None else None
-        if shell is None:
-            return True
-        stand = self.stands[k]
-        if stand._version != self.bound_version[k]:
-            raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
-                                 landed=self.state is S.ALIASED)
-        if not lazy_swap(stand, shell, held_ok=held_ok and self.state is not S.ALIASED):
-            return False
-        self.fulls[k], self.lazies[k] = shell, None
-        return True
-
-    def unbind_all(self, held_ok: bool = False) -> bool:
-        return all([self.unbind(k, held_ok) for k in range(len(self.idx))])
 
     def release(self) -> None:
         """Drop every tensor (see [Note: a group's life] on the autograd cycle)."""

@@ -53,8 +53,6 @@ Gather node and its backward cost about 100 us per group there. When every group
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -68,28 +66,6 @@ _METADATA = {
     torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.__len__,
     torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.nelement,
 }
-
-
-def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
-    """Swap two tensor objects' contents (C++ tensor, class, attributes); False (nothing
-    changed) when either C++ tensor is held elsewhere (``held_ok``: only when either object
-    has weak references, or a C++ weak reference stops the swap)."""
-    # torch's C++ swap does not check this itself (torch.utils.swap_tensors checks it in
-    # Python): a C++ tensor that something else holds, or an object with weak references,
-    # must not change hands. Unbinding may hand over a held one ([Note: rank-independent
-    # freeing] in .group): the holder keeps the C++ tensor, whose storage is then kept.
-    if weakref.getweakrefcount(a) or weakref.getweakrefcount(b) or (
-            not held_ok and (a._use_count() != 1 or b._use_count() != 1)):
-        return False
-    try:
-        torch._C._swap_tensor_impl(a, b)
-    except RuntimeError as e:  # a C++ weak reference (torch.profiler's record_shapes holds
-        if "weakref" in str(e):  # one to each op's inputs): no Python API counts them; the
-            return False  # check comes before any change
-        raise
-    a.__class__, b.__class__ = b.__class__, a.__class__
-    a.__dict__, b.__dict__ = b.__dict__, a.__dict__
-    return True
 
 
 def _scan(run_of, values, lazies: list, gis: list) -> None:

@@ -1,0 +1,83 @@
+"""A group's leaves bound to their stand-ins and back: see [Note: binding] in :mod:`.lazy`.
+
+While leaf ``k`` of a group is bound, ``stands[k]`` (the object ``loss_fn`` holds) *is*
+its full tensor and ``lazies[k]`` holds the stand-in's empty shell; unbound, ``stands[k]``
+is the empty stand-in again and ``lazies[k]`` is None.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .lazy import in_place_error
+
+
+def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
+    """Swap two tensor objects' contents (C++ tensor, class, attributes); False (nothing
+    changed) when either C++ tensor is held elsewhere (``held_ok``: only when either object
+    has weak references, or a C++ weak reference stops the swap)."""
+    # torch's C++ swap does not check this itself (torch.utils.swap_tensors checks it in
+    # Python): a C++ tensor that something else holds, or an object with weak references,
+    # must not change hands. Unbinding may hand over a held one ([Note: rank-independent
+    # freeing] in .group): the holder keeps the C++ tensor, whose storage is then kept.
+    if weakref.getweakrefcount(a) or weakref.getweakrefcount(b) or (
+            not held_ok and (a._use_count() != 1 or b._use_count() != 1)):
+        return False
+    try:
+        torch._C._swap_tensor_impl(a, b)
+    except RuntimeError as e:  # a C++ weak reference (torch.profiler's record_shapes holds
+        if "weakref" in str(e):  # one to each op's inputs): no Python API counts them; the
+            return False  # check comes before any change
+        raise
+    a.__class__, b.__class__ = b.__class__, a.__class__
+    a.__dict__, b.__dict__ = b.__dict__, a.__dict__
+    return True
+
+
+class Binding:
+    """The binding half of :class:`~.group.Group` (its fields: ``stands``, ``lazies``,
+    ``fulls``, ``bases``, ``bound_version``, ``pinned``, ``ended``, ``aliased``, ``params``,
+    ``gi``, ``idx``)."""
+
+    def base(self, k: int) -> torch.Tensor | None:
+        """Leaf ``k``'s padded full tensor: bound, unpadded, that is the stand-in object."""
+        b = self.bases[k]
+        return self.stands[k] if b is not None and self.lazies and b is self.lazies[k] else b
+
+    def bound(self, k: int) -> bool:
+        """Leaf ``k``'s stand-in is its full tensor (``lazies[k]`` holds the shell)."""
+        return self.lazies is not None and self.lazies[k] is not None
+
+    def bind_all(self) -> None:
+        """Make every gathered leaf's stand-in its full tensor: later ops on it are plain."""
+        if self.stands is None:
+            return
+        for k, full in enumerate(self.fulls):
+            if k in self.params.unbindable[self.gi]:
+                continue
+            if self.lazies[k] is None and full is not None and lazy_swap(self.stands[k], full):
+                self.lazies[k], self.fulls[k] = full, self.stands[k]
+                self.bound_version[k] = self.stands[k]._version
+
+    def unbind(self, k: int, held_ok: bool = False) -> bool:
+        """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
+        False, and it stays bound, when something else holds its full tensor (``held_ok``:
+        only when a weak reference does; never for an ALIASED leaf, autograd's own leaf)."""
+        if self.pinned and not self.ended:
+            return False
+        shell = self.lazies[k] if self.lazies is not None else None
+        if shell is None:
+            return True
+        stand = self.stands[k]
+        if stand._version != self.bound_version[k]:
+            raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
+                                 landed=self.aliased)
+        if not lazy_swap(stand, shell, held_ok=held_ok and not self.aliased):
+            return False
+        self.fulls[k], self.lazies[k] = shell, None
+        return True
+
+    def unbind_all(self, held_ok: bool = False) -> bool:
+        return all([self.unbind(k, held_ok) for k in range(len(self.idx))])
