@@ -241,11 +241,18 @@ def test_a_profiled_step_trains_as_an_unprofiled_one(pools, spec, dtype, opts):
         assert same and ops, (same, ops)
 
 
-def profiled_on_rank_0(spec, policy):
-    """Three steps profiled on rank 0 alone (record_shapes: its weak references keep rank
-    0's leaves bound) against the same steps profiled nowhere: the same parameters, bit for
-    bit; the ranks' collectives stay in step ([Note: rank-independent freeing] in
-    funshard.step.group; the direct transport names a rank that starts another)."""
+def profiled_on_rank_0(spec, policy, own=None, again=False, opts=None):
+    """Three steps profiled on rank 0 alone (record_shapes, or ``opts``: its weak references
+    keep rank 0's leaves from swapping back) against the same steps profiled nowhere: the
+    same parameters, bit for bit; the ranks' collectives stay in step ([Note:
+    rank-independent freeing] in funshard.step.group, [Note: demoted leaves] in
+    funshard.step.binding; the direct transport names a rank that starts another).
+    ``own``: every block checkpoints itself (torch.utils.checkpoint, "reentrant" or
+    "non_reentrant"), whose recompute must gather on rank 0 too; ``again``: loss_fn uses a
+    block's weight again after the model, when FULL_SHARD has freed its group."""
+    import functools
+
+    import torch.utils.checkpoint as cp
     from torch.profiler import ProfilerActivity, profile
 
     m, rank = mesh(spec), dist.get_rank()
@@ -253,14 +260,22 @@ def profiled_on_rank_0(spec, policy):
     for prof in (False, True):
         torch.manual_seed(0)
         model = MLP(dim=5, hidden=7, layers=3, out=3)  # a group per layer, the head apart
-        step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
-                             fs.optim.adamw(1e-2), policy=fs.Policy(**policy))
+        for layer in model.layers if own else ():
+            layer.forward = functools.partial(cp.checkpoint, layer.forward,
+                                              use_reentrant=own == "reentrant")
+
+        def loss_fn(p, b, model=model):
+            loss = F.mse_loss(fs.call(model, p, b[0]).float(), b[1])
+            return loss + p["layers.1.0.weight"].float().square().mean() if again else loss
+
+        step = fs.train_step(loss_fn, fs.optim.adamw(1e-2), policy=fs.Policy(**policy))
         state = step.init(fs.shard(fs.params(model), m))
         g = torch.Generator().manual_seed(1 + rank)
         for _ in range(3):
             b = (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
             if prof and rank == 0:
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+                with profile(activities=[ProfilerActivity.CPU],
+                             **(opts or {"record_shapes": True})):
                     state, _ = step(state, b)
             else:
                 state, _ = step(state, b)
@@ -268,17 +283,42 @@ def profiled_on_rank_0(spec, policy):
     return all(torch.equal(out[0][k], out[1][k]) for k in out[0])
 
 
-@pytest.mark.parametrize("policy", [{}, {"reshard_after_forward": False},
-                                    {"param_dtype": torch.bfloat16}, {"accumulate": 2},
-                                    {"prefetch": False}, {"transport": "c10d"},
-                                    {"checkpoint": True},
-                                    {"checkpoint": True, "param_dtype": torch.bfloat16}],
-                         ids=["full_shard", "shard_grad_op", "bf16", "accumulate",
-                              "no_prefetch", "c10d", "checkpoint", "checkpoint_bf16"])
+POLICIES = {"full_shard": {}, "shard_grad_op": {"reshard_after_forward": False},
+            "bf16": {"param_dtype": torch.bfloat16}, "accumulate": {"accumulate": 2},
+            "no_prefetch": {"prefetch": False}, "c10d": {"transport": "c10d"},
+            "checkpoint": {"checkpoint": True},
+            "checkpoint_bf16": {"checkpoint": True, "param_dtype": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_a_step_profiled_on_one_rank_keeps_the_ranks_in_step(pools, policy):
     """Profiling rank 0 alone, a common way to profile, used to part the ranks' gathers:
     a group its weak references kept gathered there was gathered again on the others."""
     for rank, same in enumerate(pools.run(2, profiled_on_rank_0, policy)):
+        assert same, rank
+
+
+@pytest.mark.parametrize("own", ["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("policy", ["full_shard", "shard_grad_op", "bf16", "accumulate",
+                                    "no_prefetch", "c10d"])
+def test_the_models_own_checkpointing_profiled_on_one_rank_keeps_the_ranks_in_step(
+        pools, policy, own):
+    """The model's own checkpoint regions recompute in backward with the leaves the
+    profiler holds on rank 0: their ops must be seen there and gather as on rank 1 (they
+    parted the ranks' collectives at the first recompute until 2026-11-25)."""
+    for rank, same in enumerate(pools.run(2, profiled_on_rank_0, POLICIES[policy], own)):
+        assert same, rank
+
+
+@pytest.mark.parametrize("opts", [{"record_shapes": True}, {"with_stack": True}],
+                         ids=["record_shapes", "with_stack"])
+@pytest.mark.parametrize("policy", ["full_shard", "bf16", "checkpoint"])
+def test_a_group_used_again_after_its_free_on_a_profiled_rank_gathers_again(pools, policy,
+                                                                             opts):
+    """A block's weight used again after the model (its group freed by FULL_SHARD) gathers
+    again on the profiled rank too: the ranks' collectives part otherwise."""
+    for rank, same in enumerate(pools.run(2, profiled_on_rank_0, POLICIES[policy], None,
+                                          True, opts)):
         assert same, rank
 
 
@@ -327,45 +367,41 @@ def test_a_held_parameter_trains_as_one_not_held(pools, spec, dtype, how):
         assert err == 0.0 if how == "weak" else err < 1e-6, (rank, err)
 
 
-def profiled_own_checkpointing(spec, own, policy_checkpoint, prof):
-    """One step of an MLP whose layers checkpoint themselves (``own``) or under
-    Policy(checkpoint=True), profiled on every rank or on none (either keeps the ranks in
-    step): the warnings the step gives, and the loss."""
-    import functools
-    import warnings
-
-    import torch.utils.checkpoint as cp
+def profiled_llama(spec, reentrant):
+    """Hugging Face Llama with gradient_checkpointing_enable(), two AdamW steps profiled on
+    rank 0 alone (record_shapes) against the same unprofiled: the same parameters."""
     from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    m = mesh(spec)
-    torch.manual_seed(0)
-    model = MLP(dim=5, hidden=7, layers=3, out=3)
-    if own:
-        for layer in model.layers:
-            layer.forward = functools.partial(cp.checkpoint, layer.forward, use_reentrant=False)
-    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]).float(), b[1]),
-                         fs.optim.sgd(0.1),
-                         policy=fs.Policy(param_dtype=torch.bfloat16, checkpoint=policy_checkpoint))
-    state = step.init(fs.shard(fs.params(model), m))
-    b = (torch.randn(4, 5), torch.randn(4, 3))
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        if prof:
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
-                state, metrics = step(state, b)
-        else:
-            state, metrics = step(state, b)
-    return [str(w.message) for w in seen if "profiler" in str(w.message)], metrics["loss"]
+    m, rank = mesh(spec), dist.get_rank()
+    out = []
+    for prof in (False, True):
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=36,
+                          num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                          max_position_embeddings=32)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        step = fs.train_step(
+            lambda p, ids, model=model: fs.call(model, p, input_ids=ids, labels=ids).loss,
+            fs.optim.adamw(1e-2))
+        state = step.init(fs.shard(fs.params(model), m))
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 8), generator=g)
+            if prof and rank == 0:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+                    state, _ = step(state, ids)
+            else:
+                state, _ = step(state, ids)
+        out.append(fs.unshard(state.params))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0])
 
 
-@pytest.mark.parametrize("own,policy_checkpoint,prof,warned", [
-    (True, False, True, True), (True, False, False, False), (False, True, True, False)],
-    ids=["own-profiled", "own-unprofiled", "policy-profiled"])
-def test_the_models_own_checkpointing_under_the_profiler_warns(pools, own, policy_checkpoint,
-                                                               prof, warned):
-    """Where a profiled rank's recompute would go unseen (the model's own checkpointing, not
-    the Policy's, which gathers first), the step says so by name on that rank."""
-    for got, loss in pools.run(2, profiled_own_checkpointing, own, policy_checkpoint, prof):
-        assert bool(got) == warned and loss == loss, got
-        if warned:
-            assert "Profile every rank" in got[0] and "layers.0" in got[0], got
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_hugging_face_checkpointing_profiled_on_one_rank_keeps_the_ranks_in_step(pools,
+                                                                                 reentrant):
+    for rank, same in enumerate(pools.run(2, profiled_llama, reentrant)):
+        assert same, rank

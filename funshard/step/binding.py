@@ -31,15 +31,20 @@ def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
         if "weakref" in str(e):  # one to each op's inputs): no Python API counts them; the
             return False  # check comes before any change
         raise
+    swap_identity(a, b)
+    return True
+
+
+def swap_identity(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Swap two tensor objects' classes and attributes, not their C++ tensors."""
     a.__class__, b.__class__ = b.__class__, a.__class__
     a.__dict__, b.__dict__ = b.__dict__, a.__dict__
-    return True
 
 
 class Binding:
     """The binding half of :class:`~.group.Group` (its fields: ``stands``, ``lazies``,
-    ``fulls``, ``bases``, ``bound_version``, ``pinned``, ``ended``, ``aliased``, ``params``,
-    ``gi``, ``idx``)."""
+    ``fulls``, ``bases``, ``bound_version``, ``demoted``, ``pinned``, ``ended``, ``aliased``,
+    ``params``, ``gi``, ``idx``)."""
 
     def base(self, k: int) -> torch.Tensor | None:
         """Leaf ``k``'s padded full tensor: bound, unpadded, that is the stand-in object."""
@@ -57,27 +62,65 @@ class Binding:
         for k, full in enumerate(self.fulls):
             if k in self.params.unbindable[self.gi]:
                 continue
-            if self.lazies[k] is None and full is not None and lazy_swap(self.stands[k], full):
+            if self.demoted[k]:  # a plain tensor again, its C++ tensor never swapped out
+                swap_identity(self.stands[k], self.lazies[k])
+                self.demoted[k] = False
+            elif (self.lazies[k] is None and full is not None
+                  and lazy_swap(self.stands[k], full)):
                 self.lazies[k], self.fulls[k] = full, self.stands[k]
                 self.bound_version[k] = self.stands[k]._version
 
     def unbind(self, k: int, held_ok: bool = False) -> bool:
         """Leaf ``k``'s stand-in back to an empty shell (the next op on it gathers again).
-        False, and it stays bound, when something else holds its full tensor (``held_ok``:
-        only when a weak reference does; never for an ALIASED leaf, autograd's own leaf)."""
+        False when something else holds its full tensor: with ``held_ok`` (never for an
+        ALIASED leaf, autograd's own) a weak reference, which keeps it *demoted* (below);
+        otherwise it stays bound."""
         if self.pinned and not self.ended:
             return False
         shell = self.lazies[k] if self.lazies is not None else None
         if shell is None:
             return True
+        if self.demoted[k]:
+            return False
         stand = self.stands[k]
         if stand._version != self.bound_version[k]:
             raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
                                  landed=self.aliased)
-        if not lazy_swap(stand, shell, held_ok=held_ok and not self.aliased):
-            return False
-        self.fulls[k], self.lazies[k] = shell, None
-        return True
+        held_ok = held_ok and not self.aliased
+        if lazy_swap(stand, shell, held_ok=held_ok):
+            self.fulls[k], self.lazies[k] = shell, None
+            return True
+        if held_ok:
+            self._demote(k)
+        return False
+
+    # [Note: demoted leaves] A weak reference to a bound leaf's C++ tensor (one rank's
+    # torch.profiler with record_shapes or with_stack holds one to each op's inputs) stops
+    # the swap that unbinds it. Left a plain tensor, the ops on it would go unseen: a later
+    # use in forward (the group used again after its free) or a recompute of the model's
+    # own checkpointing would gather nothing on that rank alone, and the ranks' collectives
+    # part (NCCL hangs, or pairs bytes wrongly). So the object takes the stand-in's class
+    # and attributes back over its own C++ tensor (whose storage stays, see [Note:
+    # rank-independent freeing] in .group): its next op is seen and gathers, as on every
+    # rank, into that storage; binding then makes it plain again, and in backward (where
+    # stand-ins stay unbound) an op gets a view of it (:meth:`full`). The group's own
+    # storage work goes through a plain alias of it (``bases[k]``).
+
+    def _demote(self, k: int) -> None:
+        stand, shell = self.stands[k], self.lazies[k]
+        if self.bases[k] is shell:  # base(k) was the stand-in object itself
+            self.bases[k] = stand.detach()  # its storage and version counter
+        swap_identity(stand, shell)
+        self.demoted[k] = True
+
+    def full(self, k: int) -> torch.Tensor | None:
+        """Leaf ``k``'s full tensor for an op: of a demoted leaf, a view of the stand-in
+        object (on its autograd history), which itself would go through the stand-in."""
+        t = self.fulls[k]
+        if not self.demoted[k]:
+            return t
+        with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
+            return t.view_as(t)
 
     def unbind_all(self, held_ok: bool = False) -> bool:
         return all([self.unbind(k, held_ok) for k in range(len(self.idx))])

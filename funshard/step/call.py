@@ -158,8 +158,8 @@ def _checkpointed(forward, *args, **kwargs):
 
 def _regathered(run: Run, gi: int, forward, *args, **kwargs):
     """A checkpointed group's forward. Recomputed in backward, it uses its group first: every
-    rank gathers the group here, also one where a leaf stays bound and its ops are not seen
-    (torch.profiler on that rank alone: [Note: rank-independent freeing] in .group)."""
+    rank gathers the group here (also where a leaf is demoted: [Note: demoted leaves] in
+    .binding)."""
     if run.backward:
         with recompute.own_ops(False), torch.no_grad():
             run.use([gi], new_op=True)

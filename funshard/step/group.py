@@ -34,7 +34,8 @@ when backward needs them. One group's life in a FULL_SHARD step::
 [Note: rank-independent freeing] A rank's collectives must not depend on what it alone does
 (NCCL ranks that disagree hang, or read each other's bytes). A leaf held elsewhere (one
 rank's profiler, a view, an uncollected cycle) is freed for the collectives all the same:
-its group goes SHARDED and gathers again as on every rank, into the held storage it keeps.
+its group goes SHARDED and gathers again as on every rank, into the held storage it keeps,
+at the same op as every rank ([Note: demoted leaves] in :mod:`.binding`).
 
 Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
 -> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
@@ -108,6 +109,7 @@ class Group(Binding):
         self.stands: list | None = None
         self.lazies: list | None = None
         self.bound_version: list[int] = [0] * len(self.idx)
+        self.demoted = [False] * len(self.idx)  # see [Note: demoted leaves] in .binding
         self.ended = False  # backward is done with it (its gradients are complete)
         self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
         self.local = comm.skips(params.world)  # a world of one: a gather is a cast (_cast)

@@ -32,10 +32,11 @@ the parameter through plain torch ops first. A frozen one is fine. Activation
 checkpointing's recompute: [Note: recomputation] in :mod:`.recompute`. Under
 ``torch.profiler`` with ``record_shapes`` or ``with_stack``, the profiler holds a C++ weak
 reference to each op's inputs and each called module's parameters, and torch swaps no
-tensor that has one: such a leaf stays bound and keeps its storage until the step ends,
-while its group is freed and gathered as on a rank that does not profile (the same numbers
-and collectives: [Note: rank-independent freeing] in :mod:`.group`; on the tiny host-bound
-GPT, 9 groups' memory at the peak with with_stack, 1 with record_shapes alone, 1 without).
+tensor that has one: such a leaf keeps its storage until the step ends, while its group is
+freed and gathered as on a rank that does not profile, and its next op is seen as a
+stand-in's (the same numbers and collectives: [Note: rank-independent freeing] in
+:mod:`.group`, [Note: demoted leaves] in :mod:`.binding`; on the tiny host-bound GPT, 9
+groups' memory at the peak with with_stack, 1 with record_shapes alone, 1 without).
 Profile memory with ``profile_memory`` alone.
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
@@ -248,7 +249,7 @@ def _substitute(run, values, recompute: bool = False) -> list:
     for x in values:
         if isinstance(x, LazyParam):
             x = (run.recompute_leaf(x._gi, x._k) if recompute
-                 else run.groups[x._gi].fulls[x._k])
+                 else run.groups[x._gi].full(x._k))
         elif isinstance(x, (list, tuple)):
             x = type(x)(_substitute(run, x, recompute))
         out.append(x)

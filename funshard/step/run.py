@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 
 import torch
 
@@ -21,10 +20,6 @@ from .group import Group, S
 from .params import ParamGroups
 from .saved import SavedParams
 from .schedule import make_schedule
-
-
-# whether torch's profiler is on in this process (see Run._warn_unseen_recompute)
-_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 # the run whose loss_fn is executing (fs.call installs parameters into it; see .call)
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("funshard_run", default=None)
@@ -211,7 +206,7 @@ class Run:
                 self.use([gi], new_op=False)
             elif k in group.to_regather:
                 group.regather()
-            t = group.fulls[k]
+            t = group.full(k)
             if self.params.trainable[group.idx[k]] and not t.requires_grad:
                 # gathered afresh (an earlier recompute took the first): as its forward saw
                 # it, it requires grad, or the recompute's ops save fewer tensors
@@ -226,11 +221,11 @@ class Run:
                                             for k in self.params.grad_pos[g.gi]):
                 raise recompute.backward_in_forward(f"group {g.name!r}")
         self.backward = True
-        if self.checkpointing:  # unbind, so a recompute's use of a parameter is seen
+        if self.checkpointing:  # unbind (or demote), so a recompute's use of a parameter
+            # is seen
             for g in self.groups:
                 if g.resident and g.state is not S.ALIASED:
                     g.unbind_all(held_ok=True)
-            self._warn_unseen_recompute()
         # Ops on bound leaves are not seen: ``active`` holds the groups of forward's last op
         # that gathered (with FULL_SHARD, the groups still bound). Backward's first node
         # frees nothing as "the previous op's".
@@ -246,23 +241,6 @@ class Run:
         # around the step's hooks (nothing says to gather a freed leaf again): keep them all
         if late and not self.checkpointing and self.groups[kept].state is S.GATHERED:
             self.groups[kept].free_leaves(list(late))
-
-    def _warn_unseen_recompute(self) -> None:
-        """Leaves the profiler keeps bound on this rank: the model's own checkpoint regions
-        recompute with them unseen, so this rank alone gathers nothing there ([Note:
-        rank-independent freeing] in .group; Policy(checkpoint=) regions gather first)."""
-        if self.policy.checkpoint or not _profiling():
-            return
-        stuck = [g.name for g in self.groups
-                 if not g.pinned and any(g.bound(k) for k in range(len(g.idx)))]
-        if stuck:
-            warnings.warn(
-                f"train_step: torch.profiler (record_shapes or with_stack) holds parameters of "
-                f"group(s) {stuck[:3]} on this rank, which stay bound, so the model's own "
-                "activation checkpointing recomputes with them without gathering them here. "
-                "Unless every rank profiles this step, the ranks' collectives part (NCCL "
-                "hangs, or pairs bytes wrongly). Profile every rank, or checkpoint with "
-                "fs.Policy(checkpoint=True).", stacklevel=2)
 
     def start_direct(self) -> list:
         """Every group ALIASED on the run's shards, which ``loss_fn`` gets as they are
