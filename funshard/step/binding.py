@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .lazy import in_place_error
+from .lazy import LazyParam, in_place_error
 
 
 def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
@@ -43,8 +43,9 @@ def swap_identity(a: torch.Tensor, b: torch.Tensor) -> None:
 
 class Binding:
     """The binding half of :class:`~.group.Group` (its fields: ``stands``, ``lazies``,
-    ``fulls``, ``bases``, ``bound_version``, ``demoted``, ``pinned``, ``ended``, ``aliased``,
-    ``params``, ``gi``, ``idx``)."""
+    ``fulls``, ``bases``, ``bound_version``, ``pinned``, ``ended``, ``aliased``, ``params``,
+    ``gi``, ``idx``). A leaf is *demoted* (below) when ``lazies[k]`` holds its shell and
+    ``stands[k]`` is a :class:`~.lazy.LazyParam` all the same."""
 
     def base(self, k: int) -> torch.Tensor | None:
         """Leaf ``k``'s padded full tensor: bound, unpadded, that is the stand-in object."""
@@ -62,9 +63,8 @@ class Binding:
         for k, full in enumerate(self.fulls):
             if k in self.params.unbindable[self.gi]:
                 continue
-            if self.demoted[k]:  # a plain tensor again, its C++ tensor never swapped out
-                swap_identity(self.stands[k], self.lazies[k])
-                self.demoted[k] = False
+            if self.lazies[k] is not None and type(self.stands[k]) is LazyParam:  # demoted
+                swap_identity(self.stands[k], self.lazies[k])  # plain again, same C++ tensor
             elif (self.lazies[k] is None and full is not None
                   and lazy_swap(self.stands[k], full)):
                 self.lazies[k], self.fulls[k] = full, self.stands[k]
@@ -80,9 +80,9 @@ class Binding:
         shell = self.lazies[k] if self.lazies is not None else None
         if shell is None:
             return True
-        if self.demoted[k]:
-            return False
         stand = self.stands[k]
+        if type(stand) is LazyParam:  # demoted
+            return False
         if stand._version != self.bound_version[k]:
             raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
                                  landed=self.aliased)
@@ -111,13 +111,12 @@ class Binding:
         if self.bases[k] is shell:  # base(k) was the stand-in object itself
             self.bases[k] = stand.detach()  # its storage and version counter
         swap_identity(stand, shell)
-        self.demoted[k] = True
 
     def full(self, k: int) -> torch.Tensor | None:
         """Leaf ``k``'s full tensor for an op: of a demoted leaf, a view of the stand-in
         object (on its autograd history), which itself would go through the stand-in."""
         t = self.fulls[k]
-        if not self.demoted[k]:
+        if type(t) is not LazyParam:
             return t
         with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
             return t.view_as(t)

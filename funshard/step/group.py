@@ -109,7 +109,6 @@ class Group(Binding):
         self.stands: list | None = None
         self.lazies: list | None = None
         self.bound_version: list[int] = [0] * len(self.idx)
-        self.demoted = [False] * len(self.idx)  # see [Note: demoted leaves] in .binding
         self.ended = False  # backward is done with it (its gradients are complete)
         self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
         self.local = comm.skips(params.world)  # a world of one: a gather is a cast (_cast)
