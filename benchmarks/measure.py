@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from funshard.comm import failures
+from funshard.collectives import failures
 from funshard.testing import CountCollectives, LivePeak, tensor_bytes
 
 from .modes import Config, batches, build_mode, build_model, device_of, meshes_for
@@ -126,7 +126,7 @@ def time_modes(cfg: Config) -> dict:
 
 
 def _bookkeeping_us(n: int = 20000) -> float:
-    """What one step's failure bookkeeping costs (funshard.comm.failures.call around it, on
+    """What one step's failure bookkeeping costs (funshard.collectives.failures.call around it, on
     the success path), in microseconds: every rank runs the same calls."""
     t0 = time.perf_counter()
     for _ in range(n):

@@ -8,8 +8,8 @@
 
 __version__ = "0.2.0"
 
-from . import checkpoint, comm, layout, mesh, optim, plan, pytree, step, testing
-from .comm import CollectiveTimeout, OutOfStep, PeerLost, RankFailed
+from . import checkpoint, collectives, layout, mesh, optim, plan, pytree, step, testing
+from .collectives import CollectiveTimeout, OutOfStep, PeerLost, RankFailed
 from .mesh import make_mesh
 from .pytree import buffers, params
 from .reduce import reduce_grads
@@ -34,7 +34,7 @@ __all__ = [
     "buffers",
     "call",
     "checkpoint",
-    "comm",
+    "collectives",
     "eval_step",
     "layout",
     "list_groups",

@@ -30,7 +30,7 @@ In your own code, import funshard as fs:
   fs.plan         per-rank memory and traffic on paper, from shapes alone
   fs.testing      Pool (N gloo ranks), CountCollectives, LiveMemory, small models
   fs.pytree       optree under namespace "funshard"
-  fs.comm         the transports (c10d collectives, gloo's direct exchange)
+  fs.collectives         the transports (c10d collectives, gloo's direct exchange)
 
 See README.md.
 """

@@ -2,7 +2,7 @@
 
 The state-dict and checkpoint code agree on errors, tokens and file lists through these
 (pickled, with the ``*_object`` collectives); tensors move through
-:mod:`funshard.comm`. Without an initialized process group each helper acts as a
+:mod:`funshard.collectives`. Without an initialized process group each helper acts as a
 world of one. ``pg=None`` is the default group.
 """
 

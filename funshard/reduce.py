@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm, pytree
+from . import collectives, pytree
 from .layout import Layout, as_dtensor, check_float_dtype, describe
 from .mesh import mesh_str, replicas
 
@@ -30,8 +30,8 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
 
     Example: on 2 ranks, ``g`` of shape (7, 3) -> DTensor (7, 3), local (4, 3) / (3, 3).
     """
-    comm.failures.in_step()  # see [Note: a rank out of step]
-    comm.check_transport(transport, where="reduce_grads")
+    collectives.failures.in_step()  # see [Note: a rank out of step]
+    collectives.check_transport(transport, where="reduce_grads")
     check_float_dtype(reduce_dtype, "reduce_grads: reduce_dtype")
     if op not in ("mean", "sum"):
         raise ValueError(f"reduce_grads: op={op!r}; use 'mean' or 'sum'")
@@ -46,7 +46,7 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
             )
     present = [k for k, g in enumerate(gl) if g is not None]
     gl = [g.detach() if g is not None else None for g in gl]  # not differentiable
-    got = comm.reduce_scatter(
+    got = collectives.reduce_scatter(
         [layouts[k] for k in present], [gl[k] for k in present], mesh,
         reduce_dtype=reduce_dtype, op=op, transport=transport,
     ) if mesh is not None else []

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-from . import comm, pytree
+from . import collectives, pytree
 from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
                      placements_for, transforms_active)
 from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
@@ -129,13 +129,13 @@ def unshard(
         reduce_dtype: reduce gradients in this dtype (e.g. float32); grads come back in the
             shards' dtype.
         transport: how the bytes move: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see
-            :mod:`funshard.comm`).
+            :mod:`funshard.collectives`).
     Returns:
         the same tree with full-shape plain tensors.
 
     Example: ``unshard(shard({"w": x}, mesh))["w"]`` equals ``x`` bitwise.
     """
-    comm.failures.in_step()  # see [Note: a rank out of step]
+    collectives.failures.in_step()  # see [Note: a rank out of step]
     mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
     if not leaves:
         return pytree.unflatten(spec, [])
@@ -144,7 +144,7 @@ def unshard(
     # and the shards are constants there
     shards = ([d._local_tensor.detach() for d in leaves] if transforms_active()
               else [d.to_local() for d in leaves])
-    comm.check_transport(transport, where="unshard")
+    collectives.check_transport(transport, where="unshard")
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
     full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
@@ -186,7 +186,7 @@ class _Unshard(torch.autograd.Function):
         gathered = [k for k, lay in enumerate(layouts) if lay.sharded]
         full = list(shards)
         if gathered:
-            got = comm.all_gather(
+            got = collectives.all_gather(
                 [layouts[k] for k in gathered], [shards[k] for k in gathered], mesh,
                 dtypes=[dtypes[k] for k in gathered], transport=transport,
             ).wait()
@@ -225,7 +225,7 @@ class _Unshard(torch.autograd.Function):
         need = [k for k, flag in enumerate(ctx.needs_input_grad[5:]) if flag]
         res = [None] * len(ctx.layouts)
         if need:
-            got = comm.reduce_scatter(
+            got = collectives.reduce_scatter(
                 [ctx.layouts[k] for k in need], [grads[k] for k in need], ctx.mesh,
                 reduce_dtype=ctx.reduce_dtype, transport=ctx.transport,
             )

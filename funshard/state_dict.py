@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import comm, pytree
+from . import collectives, pytree
 from .layout import as_dtensor, layout_of, local_slice
 from ._ranks import _broadcast_obj, _rank, _world
 from ._scatter import _scatter_group
@@ -108,7 +108,7 @@ def state_dict(tree: Tree, kind: str = "full", *, rank0_only: bool = False,
 
     Example: ``state_dict(fs.shard({"w": x}, mesh))["w"]`` equals ``x`` (7, 3) on every rank.
     """
-    comm.failures.in_step()  # see [Note: a rank out of step]
+    collectives.failures.in_step()  # see [Note: a rank out of step]
     if kind not in KINDS:
         raise ValueError(f"state_dict: kind={kind!r}; use one of {KINDS}")
     if kind != "full" and (rank0_only or cpu_offload):
@@ -165,7 +165,7 @@ def _full(keys, leaves, *, rank0_only: bool, cpu_offload: bool) -> dict[str, Any
             mesh = leaves[sharded[0]].device_mesh
             lays = [layout_of(keys[i], leaves[i]) for i in sharded]
             shards = [leaves[i]._local_tensor.detach() for i in sharded]
-            full = comm.all_gather(lays, shards, mesh).wait()  # one collective
+            full = collectives.all_gather(lays, shards, mesh).wait()  # one collective
             got = dict(zip(sharded, full))
             del full, shards
         if not keep:
@@ -211,7 +211,7 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
 
     Example: ``load_state_dict(model.state_dict(), like=sparams)["w"]`` -> DTensor (7, 3).
     """
-    comm.failures.in_step()  # see [Note: a rank out of step]
+    collectives.failures.in_step()  # see [Note: a rank out of step]
     keys, likes, spec = _flat(like)
     if isinstance(sd, dict):
         sd = with_later_fields(sd, like, dict(zip(keys, likes)))

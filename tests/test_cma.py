@@ -1,4 +1,4 @@
-"""The cross-memory transport (funshard.comm.cma, .cma_link): what the handshake decides, a
+"""The cross-memory transport (funshard.collectives.cma, .cma_link): what the handshake decides, a
 queue that wraps its ring, and ranks that start different collectives.
 
 Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
@@ -12,8 +12,8 @@ from hypothesis import given, strategies as st
 import torch.distributed as dist
 
 import funshard as fs
-from funshard.comm import cma, cma_link
-from funshard.comm.gather import choose
+from funshard.collectives import cma, cma_link
+from funshard.collectives.gather import choose
 from funshard.layout import layout_of
 
 CPU = torch.device("cpu")
@@ -54,7 +54,7 @@ def test_every_rank_of_a_group_makes_the_same_choice(pools):
 def many_in_flight(spec, n, seed):
     """``n`` all-gathers and reduce-scatters in flight on one group (more than the ring
     holds), finished in reverse order: every result as gloo's own collectives give it."""
-    from funshard.comm import all_gather, reduce_scatter
+    from funshard.collectives import all_gather, reduce_scatter
 
     m = fs.make_mesh()
     rank = dist.get_rank()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funshard as fs
-from funshard.comm import force_collectives
+from funshard.collectives import force_collectives
 from funshard.step.lazy import LazyParam
 from funshard.testing import capture, mesh
 from funshard.testing.models import MatMulT

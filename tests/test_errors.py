@@ -187,7 +187,7 @@ def everyones_error_then_a_slow_peer(spec):
     too says nothing about the exchange."""
     import time
 
-    from funshard.comm import cma_link
+    from funshard.collectives import cma_link
     from funshard.mesh import process_groups
 
     m, model, params, step, state = _setup()

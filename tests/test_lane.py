@@ -2,7 +2,7 @@
 functions, checkpoints across devices, the demo and the benchmark, on the lane's device.
 
 CI runs it on the CPU; ``bash scripts/test.sh --device cuda`` runs it on GPUs (NCCL). A world
-of one runs every collective it would skip (``comm.force_collectives``), so one GPU goes
+of one runs every collective it would skip (``collectives.force_collectives``), so one GPU goes
 through the all-gathers, reduce-scatters and all-reduces that many GPUs do; a spec needing
 more devices than the machine has skips, saying so.
 """
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import funshard as fs
-from funshard import comm
+from funshard import collectives
 from funshard.testing import DEVICE, CountCollectives, device, devices_for, mesh
 from funshard.testing.models import GPT, gpt_loss
 from conftest import fsdp2_twin, torch_step
@@ -51,7 +51,7 @@ COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 def forced(world: int, on: bool = True):
     """A world of one runs its collectives (``on``) or skips them, whatever the lane's
     FUNSHARD_FORCE_COLLECTIVES says; a bigger one has them anyway."""
-    return comm.force_collectives(on) if world == 1 else contextlib.nullcontext()
+    return collectives.force_collectives(on) if world == 1 else contextlib.nullcontext()
 
 
 def _gpt(dev):

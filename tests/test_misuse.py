@@ -396,7 +396,7 @@ def aux_graph_after_the_step(spec, force):
     not use; a backward through it after the step must raise by name (the gathered copy and
     the run are gone), on each rank alone, and leave the state as it was. ``force``: one
     rank with its collectives run, so its parameters are gathered copies too."""
-    with fs.comm.force_collectives(force):
+    with fs.collectives.force_collectives(force):
         model, step, state, batch = _setup(spec)
 
         def loss_fn(p, b):

@@ -1,10 +1,10 @@
-"""Where a rank stands in its collectives (funshard.comm.failures.position), which OutOfStep
-compares across ranks ([Note: a rank out of step] in funshard.comm.failures)."""
+"""Where a rank stands in its collectives (funshard.collectives.failures.position), which OutOfStep
+compares across ranks ([Note: a rank out of step] in funshard.collectives.failures)."""
 
 import torch
 import torch.distributed as dist
 
-from funshard.comm import failures
+from funshard.collectives import failures
 
 
 def counts_of_a_group_of_two_backends(spec):

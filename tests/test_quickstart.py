@@ -98,7 +98,7 @@ def test_meta_model_shards_then_loads_its_rows(pools, tmp_path, spec):
 def test_namespace_and_python_m_funshard():
     """What the README promises after `import funshard as fs`, and `python -m funshard`."""
     assert re.fullmatch(r"\d+\.\d+\.\d+", fs.__version__)
-    for name in ("testing", "plan", "checkpoint", "optim", "pytree", "comm"):
+    for name in ("testing", "plan", "checkpoint", "optim", "pytree", "collectives"):
         assert getattr(fs, name).__name__ == f"funshard.{name}"
     assert callable(fs.testing.Pool) and callable(fs.plan.plan)
     assert callable(fs.optim.adamw) and callable(fs.checkpoint.export_module)

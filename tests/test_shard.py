@@ -109,7 +109,7 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
 def bucket_parity(spec, shapes, puts, seed, borrow=False):
     """GradBucket filled one gradient at a time, in any order, some leaves more than once
     (summed) and some never (zeros) == the mean over ranks of each rank's sums."""
-    from funshard.comm import GradBucket
+    from funshard.collectives import GradBucket
     from funshard.layout import layout_of
 
     m = mesh(spec)
@@ -399,7 +399,7 @@ def bucket_inputs(spec, shapes, seed):
 def exchange_parity(spec, shapes, seed, direct="p2p"):
     """A direct exchange (``"p2p"`` or ``"cma"``) == gloo's own collectives, with two
     all-gathers and a reduce-scatter in flight at once on one group, finished in reverse."""
-    from funshard.comm import all_gather, reduce_scatter
+    from funshard.collectives import all_gather, reduce_scatter
 
     m, x, layouts, locals_, grads = bucket_inputs(spec, shapes, seed)
     got = {}
@@ -447,7 +447,7 @@ def test_direct_exchange_is_the_collective(pools, spec, direct, shapes, seed):
 def flat_api_parity(spec, shapes, seed):
     """The c10d transport on this torch's newest flat API == on the oldest supported one
     (all_gather_into_tensor / reduce_scatter_tensor): same tensors, same c10d ops, counts."""
-    from funshard.comm import all_gather, c10d, gather, reduce_scatter
+    from funshard.collectives import all_gather, c10d, gather, reduce_scatter
 
     m, x, layouts, locals_, grads = bucket_inputs(spec, shapes, seed)
     got, default = {}, gather._IMPLS["c10d"]
@@ -483,7 +483,7 @@ def test_flat_api_fallback_is_the_same(pools, spec, shapes, seed):
 def complex_reduce(spec):
     """Complex gradients through the c10d transport: the mean of every rank's, and what the
     reduce-scatter call was given."""
-    from funshard.comm import c10d, gather, reduce_scatter
+    from funshard.collectives import c10d, gather, reduce_scatter
     from funshard.layout import layout_of, local_slice
 
     m, rank, world = mesh(spec), dist.get_rank(), dist.get_world_size()

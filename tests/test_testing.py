@@ -38,7 +38,7 @@ def die_on_rank_1():
 def exchange_on_rank_1_only():
     """Rank 1 starts a cross-memory exchange rank 0 never starts, and both return: the
     next call on these ranks would pair rank 0's first exchange with it."""
-    from funshard.comm import cma_link
+    from funshard.collectives import cma_link
 
     link = cma_link.link_of(dist.group.WORLD)  # collective (a handshake)
     if link is None:
@@ -51,7 +51,7 @@ def exchange_on_rank_1_only():
 def mismatched_exchanges():
     """Both ranks start an exchange, of different sizes: each raises on the other's, which
     stays unconsumed; a next call on these ranks would queue behind it."""
-    from funshard.comm import cma_link
+    from funshard.collectives import cma_link
 
     link = cma_link.link_of(dist.group.WORLD)
     if link is None:

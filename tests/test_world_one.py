@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import funshard as fs
-from funshard.comm import force_collectives
+from funshard.collectives import force_collectives
 from funshard.testing import mesh
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

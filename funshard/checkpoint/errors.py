@@ -21,7 +21,7 @@ except ImportError:  # not on Windows
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .._ranks import _timeout
-from ..comm import CollectiveTimeout, failures
+from ..collectives import CollectiveTimeout, failures
 
 
 class CheckpointError(RuntimeError):

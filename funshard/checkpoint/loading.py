@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from ..comm import failures
+from ..collectives import failures
 from .. import pytree
 from ..layout import as_dtensor
 from .._ranks import _rank, _world

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from ..comm import failures
+from ..collectives import failures
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _timeout, _world
 from ..state_dict import Tree, state_dict
 from .atomic import FORMAT, _commit, _crc32, _recover, _write_marker

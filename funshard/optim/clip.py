@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import comm
+from .. import collectives
 from ..layout import layout_of
 from ..mesh import process_groups, replicas
 from ..reduce import local_sq_norm
@@ -93,9 +93,9 @@ def _mesh_of(leaves: list):
 
 def _all_reduce(t: torch.Tensor, mesh, op, what: str) -> torch.Tensor:
     """Sum (or max) of ``t`` over every rank of ``mesh``: over "shard", then "replicate"."""
-    if mesh is None or comm.skips(mesh.size()):
+    if mesh is None or collectives.skips(mesh.size()):
         return t
-    with comm.watch(what, mesh):
+    with collectives.watch(what, mesh):
         for pg in process_groups(mesh):
             if pg is not None:
                 dist.all_reduce(t, op=op, group=pg)

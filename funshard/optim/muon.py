@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import comm
+from .. import collectives
 from ..layout import layout_of
 from ..mesh import SHARD, mesh_device
 from .alias import adamw
@@ -81,8 +81,8 @@ def _all_to_all(parts: list[list[torch.Tensor]], sizes: list[int], like: torch.T
     """Send ``parts[d]`` (flattened) to rank ``d`` of ``pg``; return what each rank sent us."""
     inp = torch.cat([t.reshape(-1) for p in parts for t in p] or [like.new_empty(0)])
     out = like.new_empty(sum(sizes))
-    with comm.watch("all-to-all of Muon's matrices", mesh, SHARD):
-        comm.all_to_all(out, inp, sizes, [sum(t.numel() for t in p) for p in parts], pg)
+    with collectives.watch("all-to-all of Muon's matrices", mesh, SHARD):
+        collectives.all_to_all(out, inp, sizes, [sum(t.numel() for t in p) for p in parts], pg)
     return list(out.split(sizes))
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import collectives
 from ..mesh import SHARD, mesh_str
 
 
@@ -54,7 +54,7 @@ def check(params, policy, shards: list[torch.Tensor], *, where: str,
     """Raise the same ValueError on every rank unless all ranks were given the same tree,
     Policy, mesh and buffers (``(path, local tensor)``, replicated), and ranks that hold the
     same values do."""
-    if comm.skips(params.world):
+    if collectives.skips(params.world):
         return
     desc = fingerprint(params, policy) + [("the number of buffers", str(len(buffers)))] + [
         (f"buffer {path!r}", f"shape {tuple(b.shape)}, {b.dtype}") for path, b in buffers]

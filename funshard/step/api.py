@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import comm, pytree
+from .. import collectives, pytree
 from ..layout import check_float_dtype, compute_dtype
 from ..optim import clip as optim_clip
 from . import agree, batches, call, lazy, recompute, scaling, update
@@ -79,7 +79,7 @@ class Policy:
             as when torch's GradScaler skips ``optimizer.step()``.
         transport: how buckets move: ``"auto"`` (on gloo CPU groups, ranks of one host read
             each other's memory, else a direct point-to-point exchange; the backend's
-            collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm`).
+            collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives`).
         checkpoint: activation checkpointing per group: True for every group that names a
             submodule of the module ``loss_fn`` calls through :func:`funshard.call` (the
             repeated blocks), or a predicate ``group name -> bool``. The group's module
@@ -143,7 +143,7 @@ class Policy:
             raise TypeError(
                 f"Policy: groups={self.groups!r:.60} must be None, a callable fqn -> group "
                 "name, or a prefix tree (dict / list / tuple) of group names")
-        comm.check_transport(self.transport, where="Policy")
+        collectives.check_transport(self.transport, where="Policy")
         if not isinstance(self.checkpoint, bool) and not callable(self.checkpoint):
             raise TypeError(f"Policy: checkpoint={self.checkpoint!r} must be True, False or a "
                             "predicate on group names")
@@ -306,7 +306,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         return cache[key], leaves
 
     def init(params: Tree, buffers: Tree = None) -> TrainState:
-        with comm.failures.call("train_step.init"):
+        with collectives.failures.call("train_step.init"):
             groups, leaves = groups_for(params)
             if buffers is not None:
                 buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
@@ -320,8 +320,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                                                  0, scaling.initial(policy)), leaves)
 
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        # counted and, on an exception, posted for the other ranks (comm.failures)
-        with comm.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
+        # counted and, on an exception, posted for the other ranks (collectives.failures)
+        with collectives.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
             return _apply(state, batch)
 
     def _apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .. import comm, pytree
+from .. import collectives, pytree
 from ..shard import shard
 
 RULES = ("mean", "broadcast", "own")
@@ -91,11 +91,11 @@ def locals_of(buffers: Any) -> tuple[list[DTensor], list[torch.Tensor], Any]:
 
 def sync(rule: str, work: list[torch.Tensor], mesh: DeviceMesh) -> None:
     """Make the ranks' working copies agree, in place, by ``rule``."""
-    if rule == "own" or comm.skips(mesh.size()) or not work:
+    if rule == "own" or collectives.skips(mesh.size()) or not work:
         return
     floats = [t for t in work if t.is_floating_point()] if rule == "mean" else []
     rest = [t for t in work if not (rule == "mean" and t.is_floating_point())]
-    with comm.watch(f"the buffers' {rule}", mesh):
+    with collectives.watch(f"the buffers' {rule}", mesh):
         if floats:
             flat = torch.cat([t.reshape(-1).double() for t in floats])
             dist.all_reduce(flat)

@@ -47,13 +47,13 @@ import traceback
 
 import torch
 
-from .. import comm
+from .. import collectives
 from .lazy import in_place_error
 
 
 def usable(params) -> bool:
     """Whether a step over ``params`` (a :class:`ParamGroups`) takes the direct path."""
-    return (comm.skips(params.world) and all(params.uncast)
+    return (collectives.skips(params.world) and all(params.uncast)
             and not any(params.unbindable))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import comm, pytree
+from .. import collectives, pytree
 from . import buffers as buffers_
 from . import lazy
 from .api import Policy, TrainState
@@ -69,7 +69,7 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         return cache[key]
 
     def apply(params: Tree, *args: Any, **kwargs: Any) -> Any:
-        comm.failures.in_step()  # see [Note: a rank out of step]
+        collectives.failures.in_step()  # see [Note: a rank out of step]
         bufs = None
         if isinstance(params, TrainState):
             if params.buffers is not None:  # fn((params, buffers), ...), as loss_fn

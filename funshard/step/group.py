@@ -48,7 +48,7 @@ import enum
 
 import torch
 
-from .. import comm
+from .. import collectives
 from .binding import Binding
 from .lazy import LazyParam
 from .params import ParamGroups
@@ -97,7 +97,7 @@ class Group(Binding):
         self.state = S.SHARDED
         self.bases: list[torch.Tensor | None] | None = None  # padded full tensors
         self.fulls: list[torch.Tensor | None] | None = None  # what loss_fn computes with
-        self.pending: comm.Gathered | None = None  # the gather in flight
+        self.pending: collectives.Gathered | None = None  # the gather in flight
         self.grads: list[torch.Tensor | None] | None = None  # reduced gradient shards
         self.saved = [0] * len(self.idx)  # per leaf: autograd's saved copies not unpacked
         self.held = 0  # bytes of gathered storages this group holds
@@ -111,7 +111,7 @@ class Group(Binding):
         self.bound_version: list[int] = [0] * len(self.idx)
         self.ended = False  # backward is done with it (its gradients are complete)
         self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
-        self.local = comm.skips(params.world)  # a world of one: a gather is a cast (_cast)
+        self.local = collectives.skips(params.world)  # a world of one: a gather is a cast (_cast)
 
     @property
     def name(self) -> str:
@@ -133,13 +133,13 @@ class Group(Binding):
 
     # gathering ---------------------------------------------------------------------
 
-    def launch(self, async_op: bool, leaves: list[int] | None = None) -> comm.Gathered:
+    def launch(self, async_op: bool, leaves: list[int] | None = None) -> collectives.Gathered:
         """Start gathering the sharded ``leaves`` (default: all of them)."""
         leaves = self.sharded if leaves is None else leaves
         p, idx = self.params, self.idx
         # gathered before in this micro-batch: fill the same storages (autograd saved them)
         into = None if self.bases is None else (lambda: self._refill(leaves))
-        return comm.all_gather([p.layouts[idx[k]] for k in leaves],
+        return collectives.all_gather([p.layouts[idx[k]] for k in leaves],
                                [self.shards[idx[k]] for k in leaves], p.mesh,
                                dtypes=[p.dtypes[idx[k]] for k in leaves],
                                async_op=async_op, into=into, transport=self.transport)
@@ -154,7 +154,7 @@ class Group(Binding):
     def _cast(self, leaves: list[int]) -> list[torch.Tensor]:
         """A world of one's gather, with no collective: each full tensor is a copy of its
         shard (one shape, no padding) in the compute dtype, into the storages autograd saved
-        when there are some. What :func:`comm.all_gather` does there, without its buckets
+        when there are some. What :func:`collectives.all_gather` does there, without its buckets
         and views. Measured 2026-11-24 (host-bound GPT 8 x 64, bfloat16, world 1, this CPU):
         96 -> 85 us per group gathered; with :meth:`Reductions._put_local`, 0.94x the step
         time (best of 20 rounds, in one process)."""
@@ -210,7 +210,7 @@ class Group(Binding):
     @property
     def aliases(self) -> bool:
         """A world of one with no cast: the shards are the full tensors (see :meth:`alias`)."""
-        return comm.skips(self.params.world) and self.params.uncast[self.gi]
+        return collectives.skips(self.params.world) and self.params.uncast[self.gi]
 
     def alias(self, given: bool = False) -> None:
         """SHARDED -> ALIASED: nothing to gather. Each full tensor is a new autograd leaf on

@@ -13,7 +13,7 @@ import contextvars
 
 import torch
 
-from .. import comm
+from .. import collectives
 from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
@@ -38,7 +38,7 @@ class Run:
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
         self.direct = direct  # shards are the leaves loss_fn gets: see .direct
-        self.tapped = not comm.skips(params.world)  # large gradients stream via lazy.Tap
+        self.tapped = not collectives.skips(params.world)  # large gradients stream via lazy.Tap
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
@@ -130,7 +130,7 @@ class Run:
 
     def _prefetch(self) -> None:
         """Start gathering the group the schedule has next, if this run follows it."""
-        if (not self.policy.prefetch or comm.skips(self.params.world)
+        if (not self.policy.prefetch or collectives.skips(self.params.world)
                 or not self.in_order[self.backward]):
             return
         order, seen = self.order(self.backward), self.seen[self.backward]
@@ -286,7 +286,7 @@ class Run:
 
             p.schedule = make_schedule(self.seen[False], self.seen[True],
                                        reshard_after_forward=self.policy.reshard_after_forward,
-                                       kept_leaves=kept_leaves, gathers=not comm.skips(p.world))
+                                       kept_leaves=kept_leaves, gathers=not collectives.skips(p.world))
 
     def release(self) -> None:
         """Drop every tensor this run holds (see [Note: a group's life])."""

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import comm, pytree
+from .. import collectives, pytree
 from ..mesh import mesh_str
 from ..optim import clip as optim_clip
 from ..reduce import first_nonfinite, local_sq_norm
@@ -85,8 +85,8 @@ def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[
         sum(i not in out.used for i in present))
     both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
                       idle, order])
-    if not comm.skips(params.world):
-        with comm.watch("all-reduce of the step's metrics", params.mesh):
+    if not collectives.skips(params.world):
+        with collectives.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(both)
     loss, sq_norm, count, means, n, n2, idle_sum, *sums = both.tolist()  # the one device wait
     agree.check_order(sums, params, out.order)
@@ -133,9 +133,9 @@ def _drop_unreached(params: ParamGroups, grads: list, present: list[int],
                     used: set) -> list[int]:
     """Set to None the gradients of ``present`` leaves no rank reached; return the rest."""
     flags = [1.0 if i in used else 0.0 for i in present]
-    if not comm.skips(params.world):
+    if not collectives.skips(params.world):
         reached = torch.tensor(flags, dtype=torch.float64, device=params.device)
-        with comm.watch("all-reduce of the leaves the ranks reached", params.mesh):
+        with collectives.watch("all-reduce of the leaves the ranks reached", params.mesh):
             dist.all_reduce(reached)
         flags = reached.tolist()
     for i, f in zip(present, flags):

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm import is_direct_message
+from ..collectives import is_direct_message
 
 _KINDS = {
     "_allgather_base_": "all_gather",
@@ -43,7 +43,7 @@ def _nbytes(x) -> int:
 def classify(func, args) -> tuple[str, int, int] | None:
     """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
     one (barriers, other ops, and the messages of a funshard direct exchange, which its
-    ``funshard::collective`` marker stands for: see :mod:`funshard.comm`).
+    ``funshard::collective`` marker stands for: see :mod:`funshard.collectives`).
 
     Logical bytes are the whole buffer: the all-gather output, the reduce-scatter input, the
     all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import cma_link, failures
+from ..collectives import cma_link, failures
 
 MeshSpec = "int | str"
 DEVICE = os.environ.get("FUNSHARD_TEST_DEVICE", "cpu")  # the lane's device type

@@ -13,7 +13,7 @@ reduce_scatter_single 15-17 ms, and isend/irecv of the 6.3 MB halves 4.7-5.1 ms.
 A message's buffer is held until ``wait``: gloo's point-to-point works cannot tell when
 they are done. Messages between two ranks match in the order both post them. Each rank
 sends (world - 1) / world of the bytes, as a ring does. Every exchange is one logical
-collective, announced by :func:`funshard.comm.base.announce`.
+collective, announced by :func:`funshard.collectives.base.announce`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def choose(name: str, pg, device: torch.device) -> Transport:
     """The transport ``name`` (``"auto"``, ``"c10d"``, ``"p2p"``, ``"cma"``) resolves to for a
     process group (None: a world of one, where nothing moves) and device. The first call
     with ``"auto"`` or ``"cma"`` on a gloo CPU group is collective (a handshake)."""
-    check_transport(name, where="comm")
+    check_transport(name, where="collectives")
     if pg is None:
         return _IMPLS["c10d"]
     gloo_cpu = device.type == "cpu" and "gloo" in str(dist.get_backend(pg))
@@ -73,14 +73,14 @@ def all_gather(
         into: returns the padded full tensors (``layout.padded_shape``) to fill instead of
             new ones; called when they are first written: at once for a direct exchange,
             at ``wait()`` for a collective.
-        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm.base`).
+        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives.base`).
     Returns:
         a :class:`Gathered`; ``.wait()`` -> full tensors in ``layouts`` order.
     """
     dtypes = list(dtypes) if dtypes is not None else [s.dtype for s in shards]
     device = shards[0].device if shards else torch.device(mesh.device_type)
     if layouts and skips(layouts[0].world):  # one rank: each full tensor is its shard, cast
-        check_transport(transport, where="comm")
+        check_transport(transport, where="collectives")
         return Gathered(None, lambda: _cast(shards, dtypes, into, layouts, device), layouts)
     bp = byte_plan(layouts, dtypes)
     if not bp.order:  # nothing has elements: nothing moves

@@ -40,7 +40,7 @@ again.
 
 Failures: a peer process that is gone ends the read (``ESRCH``: a lost peer); a peer's
 posted error is read from the store while waiting
-(:class:`~funshard.comm.failures.RankFailed` at once); past the process group's timeout the
+(:class:`~funshard.collectives.failures.RankFailed` at once); past the process group's timeout the
 wait times out. A group uses this transport only if every rank passes a handshake through
 the store (same host, each can read each peer: ``FUNSHARD_CMA=0`` opts a rank out, and then
 ``"auto"`` is ``"p2p"`` on every rank of that group). Reading a process takes the permission

@@ -51,7 +51,7 @@ def reduce_scatter(
             no copy); results may then alias the inputs.
         async_op: return a :class:`Reducing` once the reduce-scatter is launched;
             ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
-        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.comm.base`).
+        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives.base`).
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """

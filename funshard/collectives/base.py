@@ -4,10 +4,10 @@ A transport moves the bytes of one bucket: an all-gather of every rank's shards 
 tensors, a reduce-scatter of every rank's gradients into this rank's rows. Which one a call
 uses is explicit (``transport=`` on the bucket calls, ``Policy(transport=)`` for the step):
 
-- ``"c10d"`` (:mod:`funshard.comm.c10d`): the backend's own collectives (NCCL, gloo);
-- ``"p2p"`` (:mod:`funshard.comm.p2p`): a direct exchange of point-to-point messages, for
+- ``"c10d"`` (:mod:`funshard.collectives.c10d`): the backend's own collectives (NCCL, gloo);
+- ``"p2p"`` (:mod:`funshard.collectives.p2p`): a direct exchange of point-to-point messages, for
   gloo on CPU, where it costs a third to a half of gloo's collectives for the same bytes;
-- ``"cma"`` (:mod:`funshard.comm.cma`): ranks on one host read each other's CPU tensors
+- ``"cma"`` (:mod:`funshard.collectives.cma`): ranks on one host read each other's CPU tensors
   straight from memory (cross-memory attach), a seventh of a gloo message's time;
 - ``"auto"`` (the default): on gloo CPU process groups ``"cma"`` where every rank of the
   group can use it, else ``"p2p"``; ``"c10d"`` elsewhere.
@@ -58,7 +58,7 @@ class CollectiveTimeout(TimeoutError):
 @contextlib.contextmanager
 def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
     """Turn a backend's failure into an error that says what happened: :class:`RankFailed`
-    when another rank's exception caused it (see :mod:`funshard.comm.failures`), else a
+    when another rank's exception caused it (see :mod:`funshard.collectives.failures`), else a
     :class:`CollectiveTimeout` or a lost peer that says what to do."""
     try:
         yield
@@ -134,8 +134,8 @@ def new_padded(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype],
 
 
 class Transport:
-    """How one bucket's bytes move. Subclasses: :class:`funshard.comm.c10d.C10d`,
-    :class:`funshard.comm.p2p.P2P`, :class:`funshard.comm.cma.CMA`.
+    """How one bucket's bytes move. Subclasses: :class:`funshard.collectives.c10d.C10d`,
+    :class:`funshard.collectives.p2p.P2P`, :class:`funshard.collectives.cma.CMA`.
 
     ``borrows``: the transport can reduce-scatter straight from each leaf's gradient
     (:meth:`reduce_scatter_leaves`) instead of from a flat ``(world, seg)`` input.

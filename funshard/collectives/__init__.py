@@ -1,5 +1,5 @@
 """How bytes move: bucketed all-gathers and gradient reductions over a funshard mesh, on an
-explicitly chosen transport (see :mod:`funshard.comm.base`)."""
+explicitly chosen transport (see :mod:`funshard.collectives.base`)."""
 
 from . import failures
 from .base import (TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce,
