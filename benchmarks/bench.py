@@ -4,6 +4,9 @@ Every mode trains a copy of the same :class:`funshard.testing.models.GPT` (same 
 per-rank batches, AdamW) on the same ranks:
 
     funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
+    funshard_full_cma                  the same on the opt-in one-host CPU transport (CPU only):
+                                       a labelled extra row; every other row moves its bytes
+                                       on the backend's collectives (gloo, NCCL)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
     ddp                                DistributedDataParallel
@@ -24,8 +27,8 @@ live tensors grow between steps (a leak). Collectives: counted per step by kind 
     python -m benchmarks.bench                        # 2 gloo ranks on CPU, 8 blocks of 512
     python -m benchmarks.bench --world 4 --blocks 4   # adds the 2x2 hybrid mesh
     torchrun --nproc-per-node 8 -m benchmarks.bench --device cuda
-    python -m benchmarks.bench --shapes A,B,C --rounds 4   # issue 18's table (and Muon on A)
-    python -m benchmarks.bench --single small,large --device cuda   # issue 16's, one GPU
+    python -m benchmarks.bench --shapes A,B,C --rounds 4   # the three shapes (and Muon on A)
+    python -m benchmarks.bench --single small,large --device cuda   # one GPU, world 1
     python -m benchmarks.bench --simulate 1024 --mesh 8x128 --params 7e9 --vocab 32000 \\
         --seq 2048 --param-dtype bfloat16            # scaling on paper, no collectives
 
@@ -76,7 +79,7 @@ def run(cfg: Config, *, memory: bool = True, overhead: bool = True) -> dict:
 
 def host_config(cfg: Config) -> Config:
     """World 1 on a GPT whose compute is negligible (``blocks`` x 64, seq 8, batch 1): the
-    step time is host time, what a GPU waits on (issue 16's host overhead, on any device)."""
+    step time is host time, what a GPU waits on (the host overhead, on any device)."""
     return dataclasses.replace(cfg, world=1, kind="gpt", dim=64, hidden=0, vocab=64, seq=8,
                                batch=1, modes=("funshard_full", "floor"), profile=(),
                                rounds=2 * cfg.rounds, steps=max(cfg.steps, 20))
@@ -93,10 +96,11 @@ def parse(argv=None):
                     help=f"local ranks to spawn (default {d.world}; on cuda at most the GPUs "
                          "there are: NCCL ranks cannot share one)")
     ap.add_argument("--shape", default="gpt", choices=tuple(SHAPES),
-                    help="the model: gpt (the flags below) or issue 18's A, B, C (fixed shapes)")
+                    help="the model: gpt (the flags below) or the fixed shapes A, B, C")
     ap.add_argument("--shapes", default="", metavar="A,B,C",
                     help="run these shapes one after another (funshard FULL_SHARD, FSDP2, the "
-                         "floor, and Muon on A) and print issue 18's table over them")
+                         "floor, Muon on A, and on CPU funshard on the cross-memory transport "
+                         "as an extra row) and print one table over them")
     ap.add_argument("--blocks", type=int, default=d.blocks)
     ap.add_argument("--dim", type=int, default=d.dim)
     ap.add_argument("--vocab", type=int, default=d.vocab)
@@ -121,7 +125,7 @@ def parse(argv=None):
                          " fp16: the same in float16, each mode with dynamic loss scaling "
                          "(Policy(loss_scale='dynamic'), ShardedGradScaler, GradScaler)")
     ap.add_argument("--single", default="", metavar="small,large",
-                    help="issue 16's table: world 1 on --device, the plain step, FSDP2 and "
+                    help="world 1 on --device: the plain step, FSDP2 and "
                          "funshard on these GPT shapes in float32 and bfloat16")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the *_compile modes")
@@ -150,7 +154,7 @@ def config_of(args) -> Config:
     if args.device == "cuda" and not under_torchrun() and world > _gpus():
         raise SystemExit(f"bench: --world {world} on cuda needs {world} GPUs (one per rank: "
                          f"NCCL ranks cannot share one); this machine has {_gpus()}")
-    modes = tuple(m for m in args.modes.split(",") if m) or default_modes(world)
+    modes = tuple(m for m in args.modes.split(",") if m) or default_modes(world, args.device)
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"bench: unknown mode {m!r}; choose from {', '.join(MODES)}")
@@ -170,34 +174,35 @@ def config_of(args) -> Config:
 
 
 def run_shapes(args) -> dict:
-    """Issue 18's comparison: each shape in its own launches, one table over them."""
+    """The shapes' comparison: each shape in its own launches, one table over them."""
     outs = {}
     for name in args.shapes.split(","):
         if name not in LABELS:
             raise SystemExit(f"bench: --shapes takes {', '.join(LABELS)}, got {name!r}")
-        modes = ("funshard_full", "fsdp2_full", "floor") + {
+        extra = ("funshard_full_cma",) if args.device == "cpu" else ()
+        modes = ("funshard_full", "fsdp2_full", "floor") + extra + {
             "A": ("funshard_full_muon",),
-            # activation checkpointing and compile, on and off (issue 18, item 5)
+            # activation checkpointing and compile, on and off
             "C": ("funshard_full_ac", "fsdp2_full_ac", "funshard_full_compile",
                   "fsdp2_full_compile")}.get(name, ())
         args.shape, args.modes = name, ",".join(modes)
         out = run(config_of(args), memory=not args.no_memory, overhead=False)
         print(f"\n## {LABELS[name]}\n\n{table(out)}", flush=True)
         outs[LABELS[name]] = out
-    print(f"\n## issue 18: funshard FULL_SHARD vs FSDP2 (fully_shard per block), "
+    print(f"\n## funshard FULL_SHARD vs FSDP2 (fully_shard per block), same transport, "
           f"{next(iter(outs.values()))['config']['world']} ranks, AdamW\n\n"
           f"{shapes_table(outs)}")
     return {"shapes": outs}
 
 
 def run_single(args) -> dict:
-    """Issue 16's comparison on one device: each shape and precision in its own launches."""
+    """The one-device comparison: each shape and precision in its own launches."""
     outs = {}
     for label, cfg in single_configs(config_of(args), args.single):
         out = run(cfg, memory=not args.no_memory, overhead=False)
         print(f"\n## {label}\n\n{table(out)}", flush=True)
         outs[label] = out
-    print(f"\n## issue 16: one {args.device} device, world 1, AdamW"
+    print(f"\n## one {args.device} device, world 1, AdamW"
           f"{' (fused)' if args.fused else ''}\n\n{single_table(outs)}")
     return {"single": outs}
 

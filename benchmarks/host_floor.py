@@ -1,4 +1,4 @@
-"""What the parameter stand-in costs by itself: issue 16's host overhead, split in two.
+"""What the parameter stand-in costs by itself: the host overhead, split in two.
 
 On a GPT whose compute is negligible (:func:`benchmarks.bench.host_config`: world 1,
 bfloat16 compute, float32 masters, FULL_SHARD), the step time is host time. This runs four

@@ -1,7 +1,10 @@
 """The benchmark's modes: one model (:mod:`benchmarks.shapes`), the same batches, and each
 mode's training step over a copy.
 
-    funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False
+    funshard_full / funshard_grad_op   fs.train_step, reshard_after_forward True / False, on
+                                       the backend's collectives (the default transport)
+    funshard_full_cma / _p2p           funshard_full on an opt-in one-host CPU transport: an
+                                       extra row, labelled as such, never the comparison
     funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)
     funshard_full_compile / fsdp2_full_compile   torch.compile on (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
@@ -34,7 +37,9 @@ from . import shapes
 MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "fsdp2_full", "fsdp2_grad_op", "fsdp2_hsdp", "ddp", "floor",
          "funshard_full_noprefetch",  # a diagnostic, not run by default
-         "funshard_full_muon",  # fs.optim.muon instead of AdamW (issue 18, shape A)
+         "funshard_full_muon",  # fs.optim.muon instead of AdamW (shape A)
+         # funshard_full on the opt-in one-host CPU transports (Policy(transport=)): extra rows
+         "funshard_full_cma", "funshard_full_p2p",
          # activation checkpointing per block: Policy(checkpoint=True) / FSDP2 with each
          # block in checkpoint_wrapper (non-reentrant) before fully_shard
          "funshard_full_ac", "fsdp2_full_ac",
@@ -44,7 +49,15 @@ MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
         "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac",
-        "funshard_full_compile": "fsdp2_full_compile"}
+        "funshard_full_compile": "fsdp2_full_compile", "funshard_full_cma": "fsdp2_full",
+        "funshard_full_p2p": "fsdp2_full"}
+# the transport each mode's fs.train_step uses: the backend's collectives unless named
+EXTRA_TRANSPORTS = {"funshard_full_cma": "cma", "funshard_full_p2p": "p2p"}
+
+
+def transport_of(mode: str) -> str:
+    """``Policy(transport=)`` of a funshard mode: ``"c10d"`` but for the labelled extras."""
+    return EXTRA_TRANSPORTS.get(mode, "c10d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +105,15 @@ def mixed(cfg: Config) -> dict:
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: every mode scales its loss
 
 
-def default_modes(world: int) -> tuple[str, ...]:
-    """The modes a run compares when ``--modes`` is not given."""
+def default_modes(world: int, device: str = "cpu") -> tuple[str, ...]:
+    """The modes a run compares when ``--modes`` is not given: every mode on the backend's
+    collectives, then (on CPU ranks) funshard on the cross-memory transport as an extra row."""
     if world == 1:
         return ("funshard_full", "funshard_grad_op", "floor")
     hsdp = ("funshard_hsdp", "fsdp2_hsdp") if hsdp_ok(world) else ()
+    extra = ("funshard_full_cma",) if device == "cpu" else ()
     return ("funshard_full", "funshard_grad_op", *hsdp[:1], "fsdp2_full", "fsdp2_grad_op",
-            *hsdp[1:], "ddp", "floor")
+            *hsdp[1:], "ddp", "floor", *extra)
 
 
 def hsdp_ok(world: int) -> bool:
@@ -159,6 +174,7 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
                           policy=Policy(reshard_after_forward=raf,
                                         prefetch=not name.endswith("noprefetch"),
                                         checkpoint=name.endswith("_ac"), **mixed(cfg),
+                                        transport=transport_of(name),
                                         loss_scale="dynamic" if scaled else None))
         box, info = [step.init(params)], {}
 
@@ -167,7 +183,8 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
             info.update(metrics)
 
         forward = eval_step(lambda p, x: fs_call(template, p, x),
-                            policy=Policy(reshard_after_forward=raf))
+                            policy=Policy(reshard_after_forward=raf,
+                                          transport=transport_of(name)))
         return Runner(run, info, lambda batch: forward(box[0].params, batch[0]))
     model = copy.deepcopy(base)
     if name.startswith("fsdp2"):

@@ -1,4 +1,4 @@
-"""How much of the collectives' device time overlaps compute: issue 16's profile evidence.
+"""How much of the collectives' device time overlaps compute, from a GPU profile.
 
 From a ``torch.profiler`` trace with CUDA activity, the kernels on the device timeline: the
 collectives (NCCL's kernels, on the process group's streams) and everything else (compute,

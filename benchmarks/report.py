@@ -1,4 +1,4 @@
-"""The benchmark's report: every figure and ratio as JSON (:func:`summarize`), the issue's
+"""The benchmark's report: every figure and ratio as JSON (:func:`summarize`), the
 targets (:func:`targets`) and the markdown table (:func:`table`).
 
     >>> out = summarize(cfg, timing, memory, overhead)
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .modes import TWIN, Config, bound_for, plan_for
+from .modes import EXTRA_TRANSPORTS, TWIN, Config, bound_for, plan_for
 
 SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
 
@@ -97,7 +97,7 @@ def summarize(cfg: Config, timing: dict, memory: dict, overhead: dict | None,
 
 
 def targets(out: dict) -> list[dict]:
-    """The issue's targets, each with its value and whether it is met."""
+    """The targets, each with its value and whether it is met."""
     rows = []
     modes = out["modes"]
 
@@ -128,7 +128,7 @@ def targets(out: dict) -> list[dict]:
     if "world1" in out:
         add("world 1: funshard / plain step", out["world1"]["ratio"], 1.03,
             out["world1"]["ratio"] <= 1.03)
-    if "host" in out:  # issue 16: the small shape's GPU target, here on this device
+    if "host" in out:  # the small shape's GPU target, here on this device
         add("world 1, host-bound: funshard / plain step", out["host"]["ratio"], 1.3,
             out["host"]["ratio"] <= 1.3)
     return rows
@@ -169,7 +169,8 @@ def table(out: dict) -> str:
             f"AdamW ({'fused' if cfg.get('fused') else 'foreach'}), {cfg['world']} ranks on "
             f"{cfg['device']}; {cfg['rounds']} interleaved rounds after "
             f"{cfg['warmup']} warm-up steps; per round the slowest rank; ratios: median of the "
-            f"per-round ratios (in brackets: fastest round / fastest round)\n\n")
+            f"per-round ratios (in brackets: fastest round / fastest round); every mode moves "
+            f"its bytes on the backend's collectives unless its row names another transport\n\n")
     lines = ["| mode | step ms median (best) | x FSDP2 twin | x floor | peak RSS MiB (over idle) | "
              "live-tensor peak MiB | mem x twin (live / in-step / RSS) | collectives / step | "
              "bytes / bound |",
@@ -179,8 +180,10 @@ def table(out: dict) -> str:
                else "-")
         mem = (f"{_f(r.get('x_twin_live_peak'))} / {_f(r.get('x_twin_step_peak'))} / "
                f"{_f(r.get('x_twin_os_over_idle'))}" if "x_twin_live_peak" in r else "-")
+        name = (f"{m} (extra row: opt-in transport {EXTRA_TRANSPORTS[m]!r})"
+                if m in EXTRA_TRANSPORTS else m)
         lines.append(
-            f"| {m} | {r['step_ms']:.0f} ({r['best_ms']:.0f}) | {_ratios(r, 'twin')} | "
+            f"| {name} | {r['step_ms']:.0f} ({r['best_ms']:.0f}) | {_ratios(r, 'twin')} | "
             f"{_ratios(r, 'floor')} | "
             f"{rss} | {_f(r.get('live_peak_mb'), '{:.1f}')} | {mem} | "
             f"{_fmt_traffic(r['collectives'])} | {_f(r.get('bytes_vs_bound'), '{:.4f}')} |")
@@ -234,14 +237,14 @@ def targets_lines(checks: list[tuple[str, float, float]]) -> list[str]:
 
 
 def shapes_table(outs: dict[str, dict]) -> str:
-    """Issue 18's table over shapes, from one :func:`summarize` per shape (``{label: out}``):
+    """The table over shapes, from one :func:`summarize` per shape (``{label: out}``):
     funshard FULL_SHARD against FSDP2 ``fully_shard`` per block and the floor, and Muon
     against AdamW where it ran."""
     lines = ["| shape | step x FSDP2 | step x floor | peak RSS x FSDP2 | "
              "in-step (peak - steady) x FSDP2 | Muon step x AdamW | "
              "checkpointing: live peak, step x without (x FSDP2's) | "
-             "compiled: step x eager (x FSDP2's) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "compiled: step x eager (x FSDP2's) | extra row: transport 'cma', step x FSDP2 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, out in outs.items():
         r = out["modes"].get("funshard_full", {})
         twin = out["modes"].get("fsdp2_full", {})
@@ -264,9 +267,10 @@ def shapes_table(outs: dict[str, dict]) -> str:
         if cc is not None:
             cc_text = (f"{_per_round(out, 'funshard_full_compile', 'funshard_full'):.2f} "
                        f"({_ratios(cc, 'twin')})")
+        cma = out["modes"].get("funshard_full_cma", {})
         lines.append(f"| {label} | {_ratios(r, 'twin')} | {_ratios(r, 'floor')} | "
                      f"{_f(r.get('x_twin_os_peak'), '{:.3f}')} | {in_step} | {muon} | "
-                     f"{ac_text} | {cc_text} |")
+                     f"{ac_text} | {cc_text} | {_ratios(cma, 'twin')} |")
     found = []
     for label, out in outs.items():
         r, letter = out["modes"].get("funshard_full", {}), label[:1]

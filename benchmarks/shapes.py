@@ -1,4 +1,4 @@
-"""The benchmark's model shapes: issue 18's three, and the default GPT.
+"""The benchmark's model shapes: the fixed three (A, B, C), and the default GPT.
 
     gpt   GPT (:class:`funshard.testing.models.GPT`), ``--blocks`` x ``--dim``, tokens
     A     8 x ``nn.TransformerEncoderLayer(512)`` (8 heads, feed-forward 2048), batch 4 x 64

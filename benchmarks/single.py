@@ -1,4 +1,4 @@
-"""``python -m benchmarks.bench --single small,large``: issue 16's table, on one device.
+"""``python -m benchmarks.bench --single small,large``: world 1 on one device.
 
 A world of one on this machine's device (``--device cuda``: one GPU, NCCL) compares three
 steps of the same GPT, AdamW, same batches, interleaved rounds:
@@ -14,7 +14,7 @@ weights in float32):
     large   12 x 1024, vocab 32000, seq 1024, batch 8
 
 and prints step time, peak memory (``max_memory_allocated`` on CUDA; on the CPU the
-live-tensor peak) and the issue's targets: funshard at most 1.3x the plain step on the
+live-tensor peak) and the targets: funshard at most 1.3x the plain step on the
 small shape, on the large one in bfloat16 at most 1.10x plain and 0.8x FSDP2, and peak
 memory at most FSDP2's on every row. On the CPU (no GPU at hand) only the small shape is
 practical; its figures say nothing about a GPU's.

@@ -16,7 +16,7 @@ from .mesh import mesh_str, replicas
 
 
 def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dtype | None = None,
-                 transport: str = "auto"):
+                 transport: str = "c10d"):
     """Per-rank full-shape gradients -> shards of their mean (or sum) over all mesh ranks.
 
     Args:
@@ -24,7 +24,9 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
         like: the sharded tree (DTensors) whose placements the result takes.
         op: ``"mean"`` (default) or ``"sum"`` over data-parallel ranks.
         reduce_dtype: reduce in this dtype (e.g. float32 for bf16 grads).
-        transport: how the bytes move: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"``.
+        transport: how the bytes move: ``"c10d"`` (default: the backend's collectives),
+            ``"p2p"`` or ``"cma"`` (opt-in, one host's gloo CPU ranks; see
+            :mod:`funshard.collectives.base`).
     Returns:
         tree of DTensor gradient shards (None where the gradient was None).
 

@@ -115,7 +115,7 @@ def unshard(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    transport: str = "auto",
+    transport: str = "c10d",
 ) -> Any:
     """DTensor shards -> plain full tensors, with one all-gather for the whole tree.
 
@@ -128,14 +128,16 @@ def unshard(
         param_dtype: gather floating leaves in this dtype (mixed precision, e.g. bfloat16).
         reduce_dtype: reduce gradients in this dtype (e.g. float32); grads come back in the
             shards' dtype.
-        transport: how the bytes move: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see
-            :mod:`funshard.collectives`).
+        transport: how the bytes move: ``"c10d"`` (default: the backend's collectives),
+            ``"p2p"`` or ``"cma"`` (opt-in, one host's gloo CPU ranks; see
+            :mod:`funshard.collectives.base`).
     Returns:
         the same tree with full-shape plain tensors.
 
     Example: ``unshard(shard({"w": x}, mesh))["w"]`` equals ``x`` bitwise.
     """
     collectives.failures.in_step()  # see [Note: a rank out of step]
+    collectives.check_transport(transport, where="unshard")
     mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
     if not leaves:
         return pytree.unflatten(spec, [])
@@ -144,7 +146,6 @@ def unshard(
     # and the shards are constants there
     shards = ([d._local_tensor.detach() for d in leaves] if transforms_active()
               else [d.to_local() for d in leaves])
-    collectives.check_transport(transport, where="unshard")
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
     full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
@@ -241,7 +242,7 @@ def unshard_leaves(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    transport: str = "auto",
+    transport: str = "c10d",
 ) -> list[torch.Tensor]:
     """Differentiable bucketed gather of local shards (autograd sees one node)."""
     dtypes = [compute_dtype(s.dtype, param_dtype) for s in shards]

@@ -114,8 +114,9 @@ def pipeline(spec, modes, **shape):
 
 
 def test_bench_phases_and_report(pools):
-    """Every column of the table and the JSON, from the phases run on 2 ranks."""
-    modes = ("funshard_full", "fsdp2_full", "floor")
+    """Every column of the table and the JSON, from the phases run on 2 ranks; the opt-in
+    cross-memory transport is an extra row, labelled, with the same collectives."""
+    modes = ("funshard_full", "fsdp2_full", "floor", "funshard_full_cma")
     timing, memory = pools.run(2, pipeline, modes)[0]
     cfg = Config(**TINY, modes=modes)
     res = summarize(cfg, timing, memory, overhead=None)
@@ -139,8 +140,13 @@ def test_bench_phases_and_report(pools):
     assert res["modes"]["floor"]["collectives"] == {}
     # a forward only holds no activations for backward and a group at a time
     assert 0 < ours["eval_peak_mb"] < ours["step_peak_mb"], ours
+    extra = res["modes"]["funshard_full_cma"]
+    assert extra["collectives"] == ours["collectives"] and extra["x_twin"] > 0
     text = table(res)
     assert "| funshard_full |" in text and "| target | value | limit | met |" in text
+    assert "| funshard_full_cma (extra row: opt-in transport 'cma') |" in text
+    assert "on the backend's collectives unless its row names another transport" in text
+    assert not any("funshard_full_cma" in t["target"] for t in res["targets"])
     assert "Forward only (fs.eval_step" in text
     assert 0 < res["bookkeeping_us"] < 1000 and "the bookkeeping around a step costs" in text
     json.dumps(res)
@@ -179,7 +185,7 @@ def test_bench_command_line(tmp_path):
 @pytest.mark.parametrize("label,shape", [("A: tiny", dict(kind="encoder", dim=64)),
                                          ("B: tiny", dict(kind="mlp", dim=16, hidden=64))])
 def test_bench_shapes_table(pools, label, shape):
-    """Issue 18's shapes (a transformer encoder stack, an MLP stack) run in every mode, and
+    """The fixed shapes (a transformer encoder stack, an MLP stack) run in every mode, and
     the table over shapes gives the ratios, the in-step memory and Muon against AdamW."""
     modes = ("funshard_full", "fsdp2_full", "floor") + (
         ("funshard_full_muon",) if shape["kind"] == "encoder" else ())
@@ -192,9 +198,9 @@ def test_bench_shapes_table(pools, label, shape):
     text = shapes_table({label: res})
     row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 8 and "MiB)" in cells[4], row
+    assert len(cells) == 9 and "MiB)" in cells[4], row
     assert (cells[5] != "-") == (shape["kind"] == "encoder"), row
-    assert cells[6] == cells[7] == "-", row  # no checkpointing or compile modes ran
+    assert cells[6] == cells[7] == cells[8] == "-", row  # no checkpointing, compile or cma
     assert f"| {label[0]} x_twin_os_peak |" in text
     json.dumps(res)
 
@@ -301,3 +307,15 @@ def test_host_floor_references_agree_and_time():
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| step")]
     assert rows == ["floor", "hooks", "stand_ins", "funshard"], proc.stdout
+
+
+def test_default_modes_compare_on_the_same_transport():
+    """By default every mode runs on the backend's collectives; on CPU ranks funshard on the
+    cross-memory transport comes last, as an extra row; never on GPUs."""
+    from benchmarks.modes import default_modes, transport_of
+
+    cpu, cuda = default_modes(2, "cpu"), default_modes(2, "cuda")
+    assert cpu[-1] == "funshard_full_cma" and cpu[:-1] == cuda
+    assert [transport_of(m) for m in cuda if m.startswith("funshard")] == ["c10d"] * 2
+    assert transport_of("funshard_full_cma") == "cma"
+    assert default_modes(1, "cpu") == ("funshard_full", "funshard_grad_op", "floor")

@@ -285,7 +285,7 @@ def profiled_on_rank_0(spec, policy, own=None, again=False, opts=None):
 
 POLICIES = {"full_shard": {}, "shard_grad_op": {"reshard_after_forward": False},
             "bf16": {"param_dtype": torch.bfloat16}, "accumulate": {"accumulate": 2},
-            "no_prefetch": {"prefetch": False}, "c10d": {"transport": "c10d"},
+            "no_prefetch": {"prefetch": False}, "cma": {"transport": "cma"},
             "checkpoint": {"checkpoint": True},
             "checkpoint_bf16": {"checkpoint": True, "param_dtype": torch.bfloat16}}
 
@@ -300,7 +300,7 @@ def test_a_step_profiled_on_one_rank_keeps_the_ranks_in_step(pools, policy):
 
 @pytest.mark.parametrize("own", ["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("policy", ["full_shard", "shard_grad_op", "bf16", "accumulate",
-                                    "no_prefetch", "c10d"])
+                                    "no_prefetch", "cma"])
 def test_the_models_own_checkpointing_profiled_on_one_rank_keeps_the_ranks_in_step(
         pools, policy, own):
     """The model's own checkpoint regions recompute in backward with the leaves the

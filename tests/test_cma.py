@@ -2,7 +2,9 @@
 queue that wraps its ring, and ranks that start different collectives.
 
 Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
-test, 2, 3, 4 ranks and 2x2); every step test on gloo runs on it, as "auto" picks it here.
+test, 2, 3, 4 ranks and 2x2); the step on it is tests/test_device.py's and test_binding.py's
+``transport="cma"`` cases and :func:`test_the_step_on_each_transport` below. The transport is
+opt-in: the ptrace permission it needs is taken only where a caller names it.
 """
 
 import os
@@ -25,18 +27,18 @@ def _fresh_group():
 
 
 def choices(spec, opt_out_rank):
-    """What "auto" and "cma" become on a fresh group when one rank opts out (or none)."""
+    """What "p2p" and "cma" become on a fresh group when one rank opts out (or none)."""
     before = os.environ.get("FUNSHARD_CMA")
     if dist.get_rank() == opt_out_rank:
         os.environ["FUNSHARD_CMA"] = "0"
     try:
         pg = _fresh_group()
-        auto = choose("auto", pg, CPU).name
+        p2p = choose("p2p", pg, CPU).name
         try:
             explicit = choose("cma", pg, CPU).name
         except ValueError as e:
             explicit = f"ValueError: {e}"
-        return auto, explicit
+        return p2p, explicit
     finally:
         if before is None:
             os.environ.pop("FUNSHARD_CMA", None)
@@ -45,9 +47,9 @@ def choices(spec, opt_out_rank):
 
 
 def test_every_rank_of_a_group_makes_the_same_choice(pools):
-    assert pools.run(2, choices, None) == [("cma", "cma")] * 2
-    for auto, explicit in pools.run(2, choices, 1):  # one rank opted out: all use p2p
-        assert auto == "p2p"
+    assert pools.run(2, choices, None) == [("p2p", "cma")] * 2
+    for p2p, explicit in pools.run(2, choices, 1):  # one rank opted out: every rank refuses
+        assert p2p == "p2p"
         assert explicit.startswith("ValueError: transport='cma' reads peers' memory"), explicit
 
 
@@ -184,3 +186,93 @@ def test_a_slot_read_while_its_writer_fills_it_is_read_again(stale, seq):
     view[at + 5] = cma_link._seal(seq, *fresh.values())
     assert link._progress() and ex not in link.pending
     assert link.ctl[cma_link._HEAD + 1] == seq  # consumed, as the peer will read
+
+
+def ptrace_taken(spec):
+    """On a fresh group: how often a rank let its peers read it (``PR_SET_PTRACER_ANY``) and
+    shook hands for cross-memory reads, over a step and the functions on the default
+    transport, then on ``"p2p"``, then once ``"cma"`` is named."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from funshard.testing.models import GPT, gpt_loss
+
+    calls = {"ptracer": 0, "handshake": 0}
+    let, shake = cma_link._let_peers_read, cma_link._handshake
+
+    def counted_let():
+        calls["ptracer"] += 1
+        return let()
+
+    def counted_shake(pg, link):
+        calls["handshake"] += 1
+        return shake(pg, link)
+
+    cma_link._let_peers_read, cma_link._handshake = counted_let, counted_shake
+    try:
+        m = DeviceMesh.from_group(_fresh_group(), "cpu", mesh_dim_names=("shard",))
+        torch.manual_seed(0)
+        model = GPT(vocab=17, dim=8, heads=2, layers=2, seq=4)
+        batch = (torch.randint(0, 17, (2, 4)), torch.randint(0, 17, (2, 4)))
+        seen = []
+        for policy in (fs.Policy(), fs.Policy(transport="p2p")):
+            step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2), policy=policy)
+            state, _ = step(step.init(fs.shard(fs.params(model), m)), batch)
+            full = fs.unshard(state.params, transport=policy.transport)
+            fs.reduce_grads(full, like=state.params, transport=policy.transport)
+            seen.append(dict(calls))
+        fs.unshard(state.params, transport="cma")
+        seen.append(dict(calls))
+        return seen
+    finally:
+        cma_link._let_peers_read, cma_link._handshake = let, shake
+
+
+def test_the_ptrace_permission_is_taken_only_where_cma_is_named(pools):
+    """The default (the backend's collectives) and ``"p2p"`` never offer cross-memory reads:
+    no handshake, no ``PR_SET_PTRACER_ANY``; naming ``"cma"`` takes it, once per group."""
+    none = {"ptracer": 0, "handshake": 0}
+    assert pools.run(2, ptrace_taken) == [[none, none, {"ptracer": 1, "handshake": 1}]] * 2
+
+
+def test_auto_is_refused_naming_the_default():
+    for make in (lambda: fs.Policy(transport="auto"),
+                 lambda: fs.unshard({}, transport="auto")):
+        try:
+            make()
+        except ValueError as e:
+            assert "transport='auto' is not a transport: the default is 'c10d'" in str(e)
+            assert "'p2p' or 'cma'" in str(e)
+        else:
+            raise AssertionError("transport='auto' was accepted")
+
+
+def step_on(spec, transport):
+    """Three AdamW steps of a small GPT on ``transport``: losses and the final parameters."""
+    from funshard.testing import mesh
+    from funshard.testing.models import GPT, gpt_loss
+
+    torch.manual_seed(0)
+    model = GPT(vocab=23, dim=12, heads=2, layers=2, seq=6)
+    g = torch.Generator().manual_seed(dist.get_rank() + 1)
+    step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2),
+                         policy=fs.Policy(transport=transport, accumulate=2))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    losses = []
+    for _ in range(3):
+        batch = (torch.randint(0, 23, (4, 6), generator=g),
+                 torch.randint(0, 23, (4, 6), generator=g))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, {k: v.detach() for k, v in fs.unshard(state.params).items()}
+
+
+def test_the_step_on_each_transport(pools):
+    """The opt-in exchanges train as the backend's collectives do (sums in another order:
+    float32 round-off)."""
+    for spec in (2, "2x2"):
+        ref = pools.run(spec, step_on, "c10d")[0]
+        for transport in ("p2p", "cma"):
+            losses, params = pools.run(spec, step_on, transport)[0]
+            assert max(abs(a - b) for a, b in zip(losses, ref[0])) < 1e-5, transport
+            for k, v in params.items():
+                assert torch.allclose(v, ref[1][k], atol=1e-6, rtol=1e-5), (transport, k)

@@ -23,7 +23,9 @@ POLICIES = {
     "grad_op": {"reshard_after_forward": False},
     "mixed": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
     "accumulate_clip": {"accumulate": 2, "clip_norm": 0.5},
-    "no_prefetch_c10d": {"prefetch": False, "transport": "c10d"},
+    # the one-host CPU exchanges, opt-in by name (the default is the backend's collectives)
+    "no_prefetch_p2p": {"prefetch": False, "transport": "p2p"},
+    "cma": {"transport": "cma"},
     "skip_nonfinite": {"skip_nonfinite": True},
     "float16_scaled": {"param_dtype": torch.float16, "reduce_dtype": torch.float32,
                        "loss_scale": "dynamic"},

@@ -24,7 +24,7 @@ def fake_params(shapes, cast=None):
 def make_group(shapes=((4, 3), (5,)), cast=torch.float64):
     torch.manual_seed(0)
     shards = [torch.randn(s) for s in shapes]
-    return Group(0, fake_params(shapes, cast), shards, {}, "auto"), shards
+    return Group(0, fake_params(shapes, cast), shards, {}, "c10d"), shards
 
 
 def test_table_covers_every_state():

@@ -4,13 +4,19 @@ A transport moves the bytes of one bucket: an all-gather of every rank's shards 
 tensors, a reduce-scatter of every rank's gradients into this rank's rows. Which one a call
 uses is explicit (``transport=`` on the bucket calls, ``Policy(transport=)`` for the step):
 
-- ``"c10d"`` (:mod:`funshard.collectives.c10d`): the backend's own collectives (NCCL, gloo);
-- ``"p2p"`` (:mod:`funshard.collectives.p2p`): a direct exchange of point-to-point messages, for
-  gloo on CPU, where it costs a third to a half of gloo's collectives for the same bytes;
-- ``"cma"`` (:mod:`funshard.collectives.cma`): ranks on one host read each other's CPU tensors
-  straight from memory (cross-memory attach), a seventh of a gloo message's time;
-- ``"auto"`` (the default): on gloo CPU process groups ``"cma"`` where every rank of the
-  group can use it, else ``"p2p"``; ``"c10d"`` elsewhere.
+- ``"c10d"`` (:mod:`funshard.collectives.c10d`, the default on every backend): the backend's
+  own collectives, NCCL on GPUs, gloo on CPUs;
+- ``"p2p"`` (:mod:`funshard.collectives.p2p`, opt-in, gloo CPU groups only): a direct
+  exchange of point-to-point messages, a third to a half of gloo's collectives' time for the
+  same bytes on one host;
+- ``"cma"`` (:mod:`funshard.collectives.cma`, opt-in, gloo CPU ranks of one x86-64 Linux
+  host only): ranks read each other's CPU tensors straight from memory (cross-memory
+  attach), a seventh of a gloo message's time. **Security:** choosing it lets every process
+  of the same user read this process's memory (``prctl(PR_SET_PTRACER,
+  PR_SET_PTRACER_ANY)``, taken when the transport is first used on a group and never
+  undone); ``FUNSHARD_CMA=0`` makes a rank refuse it (the group then raises, by name).
+
+The library never picks a transport of its own: one the caller did not name never runs.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from ..mesh import mesh_str
 from . import failures
 from .failures import RankFailed
 
-TRANSPORTS = ("auto", "c10d", "p2p", "cma")
+TRANSPORTS = ("c10d", "p2p", "cma")
 
 # A world of one needs no collective, and the step, the reductions and the clip skip them.
 # FUNSHARD_FORCE_COLLECTIVES=1 (or :func:`force_collectives`) runs them all the same, over

@@ -31,22 +31,22 @@ x86-64 keeps stores in order, so a later read that follows one seeing ``s`` sees
 written before it (the descriptor, the tensors); other machines use ``"p2p"``. Within one
 read, though, the kernel's copy (``rep movsb``, a fast-string operation) may load the
 slot's words in any order: a slot read while its writer fills it can show ``s`` beside
-fields of the exchange that had the slot ``RING`` earlier. The likely cause of a CI failure
-(2026-11) that named matching collectives as different ("320 bytes in 2 tensors on rank 0
-... in 4 tensors on rank 1": no gather of this model has 2 tensors and 320 bytes); a stale
-descriptor address would have read old tensors' bytes silently. So each slot carries a seal
-over its number and fields: a slot whose seal does not match is not posted yet, and is read
-again.
+fields of the exchange that had the slot ``RING`` earlier: matching collectives would be
+named as different, and a stale descriptor address would read old tensors' bytes silently.
+So each slot carries a seal over its number and fields: a slot whose seal does not match is
+not posted yet, and is read again.
 
 Failures: a peer process that is gone ends the read (``ESRCH``: a lost peer); a peer's
 posted error is read from the store while waiting
 (:class:`~funshard.collectives.failures.RankFailed` at once); past the process group's timeout the
 wait times out. A group uses this transport only if every rank passes a handshake through
 the store (same host, each can read each peer: ``FUNSHARD_CMA=0`` opts a rank out, and then
-``"auto"`` is ``"p2p"`` on every rank of that group). Reading a process takes the permission
-to trace it: the same user, and under Yama's ``ptrace_scope`` 1 a rank that offers this
-transport lets its user's processes read it (``PR_SET_PTRACER_ANY``); where that is not
-wanted, ``FUNSHARD_CMA=0``.
+``transport="cma"`` raises on every rank of that group). Reading a process takes the
+permission to trace it: the same user, and under Yama's ``ptrace_scope`` 1 a rank that
+offers this transport lets its user's processes read it (``PR_SET_PTRACER_ANY``). That
+permission is the price of the transport: it is taken only where a caller named ``"cma"``
+(the handshake is its first use on a group), never by default, and never undone; where it is
+not wanted, use ``"c10d"`` (the default) or ``"p2p"``, or set ``FUNSHARD_CMA=0``.
 """
 
 from __future__ import annotations

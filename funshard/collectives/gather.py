@@ -23,31 +23,31 @@ _IMPLS: dict[str, Transport] = {"c10d": C10d(), "p2p": P2P(), "cma": cma.CMA()}
 
 
 def choose(name: str, pg, device: torch.device) -> Transport:
-    """The transport ``name`` (``"auto"``, ``"c10d"``, ``"p2p"``, ``"cma"``) resolves to for a
-    process group (None: a world of one, where nothing moves) and device. The first call
-    with ``"auto"`` or ``"cma"`` on a gloo CPU group is collective (a handshake)."""
+    """The transport named ``name`` (``"c10d"``, ``"p2p"``, ``"cma"``) for a process group
+    (None: a world of one, where nothing moves) and device. The first call with ``"cma"`` on
+    a group is collective (a handshake)."""
     check_transport(name, where="collectives")
-    if pg is None:
+    if pg is None or name == "c10d":
         return _IMPLS["c10d"]
-    gloo_cpu = device.type == "cpu" and "gloo" in str(dist.get_backend(pg))
-    if name == "auto":
-        if not gloo_cpu:
-            return _IMPLS["c10d"]
-        return _IMPLS["cma" if cma_link.available(pg) else "p2p"]
-    if name in ("p2p", "cma") and not gloo_cpu:
+    if device.type != "cpu" or "gloo" not in str(dist.get_backend(pg)):
         raise ValueError(
             f"transport={name!r} moves CPU tensors between gloo ranks; this process group is "
-            f"{dist.get_backend(pg)} on {device.type}: use 'c10d' or 'auto'."
-        )
+            f"{dist.get_backend(pg)} on {device.type}: use 'c10d' (the default).")
     if name == "cma" and not cma_link.available(pg):
         raise ValueError(
             "transport='cma' reads peers' memory (process_vm_readv), which some rank of this "
             "process group cannot: not x86-64 Linux, ranks on other hosts, ptrace forbidden, "
-            "or FUNSHARD_CMA=0. Use 'p2p' or 'auto'.")
+            "or FUNSHARD_CMA=0. Use 'p2p' or 'c10d' (the default).")
     return _IMPLS[name]
 
 
 def check_transport(name: str, *, where: str) -> None:
+    """Refuse a transport name that is not one of :data:`TRANSPORTS`."""
+    if name == "auto":
+        raise ValueError(
+            f"{where}: transport='auto' is not a transport: the default is 'c10d' (the "
+            "backend's collectives: NCCL, gloo); one host's gloo CPU ranks may name 'p2p' or "
+            "'cma' (see funshard.collectives.base).")
     if name not in TRANSPORTS:
         raise ValueError(f"{where}: transport={name!r}; use one of {TRANSPORTS}")
 
@@ -60,7 +60,7 @@ def all_gather(
     dtypes: Sequence[torch.dtype] | None = None,
     async_op: bool = False,
     into: Callable[[], Sequence[torch.Tensor]] | None = None,
-    transport: str = "auto",
+    transport: str = "c10d",
 ) -> Gathered:
     """One all-gather on ``"shard"`` for all ``shards`` (sharded leaves only).
 
@@ -73,7 +73,8 @@ def all_gather(
         into: returns the padded full tensors (``layout.padded_shape``) to fill instead of
             new ones; called when they are first written: at once for a direct exchange,
             at ``wait()`` for a collective.
-        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives.base`).
+        transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"`` (see
+            :mod:`funshard.collectives.base`).
     Returns:
         a :class:`Gathered`; ``.wait()`` -> full tensors in ``layouts`` order.
     """
@@ -106,11 +107,11 @@ def _cast(shards, dtypes, into, layouts, device) -> list[torch.Tensor]:
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int],
-               in_sizes: list[int], pg) -> None:
-    """``dist.all_to_all_single`` (flat, element counts per rank) on the transport "auto"
-    picks: cross-memory reads on one host's CPU ranks, else the backend's."""
-    impl = choose("auto", pg, inp.device)
+               in_sizes: list[int], pg, *, transport: str = "c10d") -> None:
+    """``dist.all_to_all_single`` (flat, element counts per rank) on ``transport``: the
+    backend's collective, or cross-memory reads on one host's CPU ranks (``"cma"``)."""
+    impl = choose(transport, pg, inp.device)
     if isinstance(impl, cma.CMA):
         impl.all_to_all(out, inp, out_sizes, in_sizes, pg).wait()
-    else:
+    else:  # p2p has no all-to-all of its own: the backend's
         dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=pg)

@@ -31,7 +31,7 @@ def reduce_scatter(
     op: str = "mean",
     copy: bool = True,
     async_op: bool = False,
-    transport: str = "auto",
+    transport: str = "c10d",
 ) -> list[torch.Tensor | None] | Reducing:
     """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
 
@@ -51,7 +51,8 @@ def reduce_scatter(
             no copy); results may then alias the inputs.
         async_op: return a :class:`Reducing` once the reduce-scatter is launched;
             ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
-        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives.base`).
+        transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"`` (see
+            :mod:`funshard.collectives.base`).
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
@@ -92,14 +93,14 @@ class GradBucket:
         borrow: where the transport can (``"p2p"``, ``"cma"``), keep each sharded leaf's gradient
             itself (no copy into a flat buffer) and send its rows from it; the caller must
             not change a gradient after putting it.
-        transport: ``"auto"``, ``"c10d"``, ``"p2p"`` or ``"cma"``.
+        transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"``.
         device: where the buffers and results live: the gradients' device (default: this
             rank's device of the mesh).
     """
 
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
                  dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
-                 borrow: bool = False, transport: str = "auto",
+                 borrow: bool = False, transport: str = "c10d",
                  device: torch.device | None = None):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")

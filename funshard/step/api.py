@@ -77,9 +77,12 @@ class Policy:
             skipped step counts in ``state.step`` and in ``state.skipped``, not in the
             optimizer's count (``step - skipped``: Adam's bias correction, the schedules),
             as when torch's GradScaler skips ``optimizer.step()``.
-        transport: how buckets move: ``"auto"`` (on gloo CPU groups, ranks of one host read
-            each other's memory, else a direct point-to-point exchange; the backend's
-            collectives elsewhere), ``"c10d"``, ``"p2p"`` or ``"cma"`` (see :mod:`funshard.collectives`).
+        transport: how buckets move. ``"c10d"`` (default): the backend's collectives (NCCL
+            on GPUs, gloo on CPUs). Opt-in, for gloo CPU ranks of one host: ``"p2p"`` (a
+            direct exchange over point-to-point sends) and ``"cma"`` (ranks read each
+            other's memory with ``process_vm_readv``). Choosing ``"cma"`` lets every process
+            of the same user read the trainer's memory (``PR_SET_PTRACER_ANY``, never
+            undone); see :mod:`funshard.collectives.base`.
         checkpoint: activation checkpointing per group: True for every group that names a
             submodule of the module ``loss_fn`` calls through :func:`funshard.call` (the
             repeated blocks), or a predicate ``group name -> bool``. The group's module
@@ -117,7 +120,7 @@ class Policy:
     groups: Any = None
     prefetch: bool = True
     skip_nonfinite: bool = False
-    transport: str = "auto"
+    transport: str = "c10d"
     buffers: str = "mean"
     checkpoint: Any = False
     loss_scale: Any = None
