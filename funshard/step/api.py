@@ -217,44 +217,15 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     for j, mb in enumerate(micro):
         run = Run(params, shards, policy, buckets, accumulating=k > 1, sync=(j == k - 1),
                   record=record and j == 0 and not direct, direct=direct, used=used)
-        if direct:
-            tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
-        else:
-            tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
-            hooks = run.saved.hooks()  # over the caller's, if theirs are on top
-        if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
-            tree = (tree, bufs)
-        try:
-            # a training step computes gradients, under torch.no_grad() too
-            with torch.enable_grad(), hooks, run.running():
-                loss, aux = loss_.loss_of(loss_fn(tree, mb))
-            first = loss if first is None else first
-            loss_.same_kind(first, loss, j)
-            call.check_found(run)
-            loss_.check_differentiable(loss_.value(loss))
-            if not params.linted:  # the first step of this tree: once
-                loss_.check_reaches_only_params(run, loss_.value(loss))
-            run.checkpointing = recompute.checkpointed(run)
-            call.check_recomputable(run)
-            run.end_forward()
-            with torch.enable_grad():
-                recompute.backward(run, scaling.scaled(loss_.value(loss),
-                                                       loss_.share(loss, k), scale))
-            if direct:
-                params.leaves.check_unwritten(params)
-        finally:
-            run.finish()
+        loss, aux = _micro_batch(loss_fn, params, run, shards, bufs, mb, first, j, k, scale)
+        first = loss if first is None else first
         loss_sum += loss_.value(loss).detach().double()
         if isinstance(loss, loss_.Mean):
             c = loss_.count_of(loss, params.device)
             count = c if count is None else count + c
         aux_all.append(aux)
         runs.append(run)
-    grads: list = [None] * len(params.layouts)
-    for g in runs[-1].groups:
-        if g.grads is not None:
-            for k2, i in enumerate(g.idx):
-                grads[i] = g.grads[k2]
+    grads = _reduced_grads(runs[-1], len(params.layouts))
     peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
     order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
     params.linted = True
@@ -265,11 +236,94 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
     return update.Grads(grads, loss_sum, aux_all, peaks, order, count, used)
 
 
+def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any, mb: Any,
+                 first, j: int, k: int, scale) -> tuple:
+    """Forward and backward of micro-batch ``j`` of ``k`` under ``run``: (loss, aux).
+    ``first``: micro-batch 0's loss (None for micro-batch 0 itself)."""
+    if run.direct:
+        tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
+    else:
+        tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
+        hooks = run.saved.hooks()  # over the caller's, if theirs are on top
+    if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
+        tree = (tree, bufs)
+    try:
+        # a training step computes gradients, under torch.no_grad() too
+        with torch.enable_grad(), hooks, run.running():
+            loss, aux = loss_.loss_of(loss_fn(tree, mb))
+        loss_.same_kind(loss if first is None else first, loss, j)
+        call.check_found(run)
+        loss_.check_differentiable(loss_.value(loss))
+        if not params.linted:  # the first step of this tree: once
+            loss_.check_reaches_only_params(run, loss_.value(loss))
+        run.checkpointing = recompute.checkpointed(run)
+        call.check_recomputable(run)
+        run.end_forward()
+        with torch.enable_grad():
+            recompute.backward(run, scaling.scaled(loss_.value(loss),
+                                                   loss_.share(loss, k), scale))
+        if run.direct:
+            params.leaves.check_unwritten(params)
+    finally:
+        run.finish()
+    return loss, aux
+
+
+def _reduced_grads(run: Run, n: int) -> list:
+    """The ``n`` leaves' reduced gradients, from the last micro-batch's ``run``."""
+    grads: list = [None] * n
+    for g in run.groups:
+        if g.grads is not None:
+            for k, i in enumerate(g.idx):
+                grads[i] = g.grads[k]
+    return grads
+
+
 def _check_counts(state: TrainState) -> None:
     n, s = state.step, state.skipped
     if any(isinstance(x, bool) or not isinstance(x, int) for x in (n, s)) or not 0 <= s <= n:
         raise ValueError(f"train_step: TrainState has step={n!r}, skipped={s!r}; they count "
                          "steps taken and skipped: ints with 0 <= skipped <= step.")
+
+
+def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups, list]:
+    """``params``' :class:`ParamGroups` (cached per tree structure and mesh, like a jit cache)
+    and its leaves."""
+    leaves, spec = pytree.flatten(params)
+    key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
+    if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
+        cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
+    return cache[key], leaves
+
+
+def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
+           state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+    """One step of :func:`train_step` (``groups_for``: its per-tree cache)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("train_step: called under torch.inference_mode(), where no "
+                           "gradient can be computed; call it outside.")
+    params, leaves = groups_for(state.params)
+    donations.check(state, leaves)
+    _check_counts(state)
+    scaling.check_state(policy, state.loss_scale)
+    direct = direct_.usable(params)  # see [Note: the direct path]
+    shards = (params.leaves.of(params, leaves) if direct else
+              [d._local_tensor.detach().requires_grad_(t)
+               for d, t in zip(leaves, params.trainable)])
+    bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
+                           else ([], [], None))
+    if bufs is not None and params.schedule is None and not direct:  # not init's state?
+        buffers_.check_dtypes(params, state.buffers, where="train_step")
+    out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
+                         state.loss_scale)
+    new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
+    if bufs is not None:
+        if not metrics["skipped"]:  # a skipped step keeps the buffers too
+            buffers_.sync(policy.buffers, work, params.mesh)
+            buffers_.write_back(bleaves, work)
+        new_state = new_state._replace(buffers=state.buffers)
+    # the optimizer updates the leaves in place: the new state holds the same tensors
+    return donations.remember(new_state, leaves), metrics
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
@@ -302,11 +356,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
                       "loss_scale='dynamic' (torch's GradScaler's rule)", stacklevel=2)
 
     def groups_for(params: Tree) -> tuple[ParamGroups, list]:
-        leaves, spec = pytree.flatten(params)
-        key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
-        if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
-            cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
-        return cache[key], leaves
+        return _groups_for(cache, policy, params)
 
     def init(params: Tree, buffers: Tree = None) -> TrainState:
         with collectives.failures.call("train_step.init"):
@@ -325,33 +375,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (collectives.failures)
         with collectives.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
-            return _apply(state, batch)
-
-    def _apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError("train_step: called under torch.inference_mode(), where no "
-                               "gradient can be computed; call it outside.")
-        params, leaves = groups_for(state.params)
-        donations.check(state, leaves)
-        _check_counts(state)
-        scaling.check_state(policy, state.loss_scale)
-        direct = direct_.usable(params)  # see [Note: the direct path]
-        shards = (params.leaves.of(params, leaves) if direct else
-                  [d._local_tensor.detach().requires_grad_(t)
-                   for d, t in zip(leaves, params.trainable)])
-        bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
-                               else ([], [], None))
-        if bufs is not None and params.schedule is None and not direct:  # not init's state?
-            buffers_.check_dtypes(params, state.buffers, where="train_step")
-        out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
-                             state.loss_scale)
-        new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
-        if bufs is not None:
-            if not metrics["skipped"]:  # a skipped step keeps the buffers too
-                buffers_.sync(policy.buffers, work, params.mesh)
-                buffers_.write_back(bleaves, work)
-            new_state = new_state._replace(buffers=state.buffers)
-        # the optimizer updates the leaves in place: the new state holds the same tensors
-        return donations.remember(new_state, leaves), metrics
+            return _apply(loss_fn, optimizer, policy, groups_for, donations, state,
+                          batch)
 
     return TrainStep(init, apply)
