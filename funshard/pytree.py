@@ -200,11 +200,46 @@ def broadcast_prefix(prefix: Tree, tree: Tree, *, name: str = "spec") -> list[An
     try:
         with _ordered():
             return optree.broadcast_prefix(prefix, tree, namespace=NAMESPACE)
-    except ValueError as e:
-        raise TreeMismatchError(
-            f"{name} is not a prefix of the tree: {e}. Give one value for the whole tree, a "
-            f"tree with the same keys, or a callable (fqn, tensor) -> value."
-        ) from None
+    except ValueError:  # optree's message prints the whole tree, tensor values and all
+        only_prefix, only_tree, other = _prefix_problems(prefix, tree)
+        lines = [f"{name} is not a prefix of the tree:"]
+        if only_prefix:
+            lines.append(f"  paths it names that the tree lacks: {_paths(only_prefix)}")
+        if only_tree:
+            lines.append(f"  paths of the tree it gives no value for: {_paths(only_tree)}")
+        lines += [f"  {x}" for x in other[:3]]
+        if len(lines) == 1:
+            lines.append("  the structures differ")
+        lines.append("Give one value for the whole tree, a tree with the same keys, or a "
+                     "callable (fqn, tensor) -> value.")
+        raise TreeMismatchError("\n".join(lines)) from None
+
+
+def _prefix_problems(prefix: Tree, tree: Tree, path: Path = ()) -> tuple[list, list, list]:
+    """Where ``prefix`` is not a prefix of ``tree``: the paths only ``prefix`` has, those
+    only ``tree`` has, and other differences (node kinds), each a short string."""
+    pn, tn = _node(prefix), _node(tree)
+    if pn is None:  # a prefix leaf covers any subtree
+        return [], [], []
+    if tn is None or pn[0] is not tn[0]:
+        what = (f"a tensor of shape {tuple(tree.shape)}" if isinstance(tree, torch.Tensor)
+                else f"a {type(tree).__name__}") if tn is None else f"a {tn[0].__name__}"
+        return [], [], [f"at {fqn(path)!r} it has a {pn[0].__name__}, the tree {what}"]
+    (_, pe, pc), (_, te, tc) = pn, tn
+    only_prefix = [fqn(path + (k,)) for k in pe if k not in te]
+    only_tree = [fqn(path + (k,)) for k in te if k not in pe]
+    other: list = []
+    children = dict(zip(te, tc))
+    for k, child in zip(pe, pc):
+        if k in children:
+            a, b, c = _prefix_problems(child, children[k], path + (k,))
+            only_prefix, only_tree, other = only_prefix + a, only_tree + b, other + c
+    return only_prefix, only_tree, other
+
+
+def _paths(paths: list[str]) -> str:
+    more = f" (and {len(paths) - 6} more)" if len(paths) > 6 else ""
+    return ", ".join(repr(p) for p in paths[:6]) + more
 
 
 def leaves_like(tree: Tree, like: Tree, *, names: tuple[str, str] = ("tree", "like")) -> list:

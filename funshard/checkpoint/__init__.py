@@ -17,9 +17,11 @@ the files before reading anything and reshards to ``like``'s mesh.
 Where each part lives: ``saving`` (save, async saving), ``loading`` (load), ``checks``
 (arguments checked and compared across ranks), ``lock`` (one save at a time per path),
 ``atomic`` (the temporary sibling, the marker, the commit, crash recovery, CRC32s), ``dirs``
-(latest, prune), ``export`` (export_full, import_full, export_module), ``errors``
-(CheckpointError). The state dicts (``state_dict`` / ``load_state_dict``) live in
-:mod:`funshard.state_dict` and are re-exported here.
+(latest, prune), ``export`` (export_full, import_full, export_module), ``trust`` (DCP's
+pickles read through allowlists: a checkpoint from elsewhere cannot run code), ``errors``
+(CheckpointError). Every rank must call save and load: one made on some ranks only fails by
+name on every rank (:mod:`funshard.collectives.calls`). The state dicts (``state_dict`` /
+``load_state_dict``) live in :mod:`funshard.state_dict` and are re-exported here.
 """
 
 from ..state_dict import KINDS, LocalShard, load_state_dict, state_dict

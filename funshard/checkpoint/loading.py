@@ -4,7 +4,8 @@
 directory of ``step_<n>`` checkpoints to its newest one, checks the marker, the keys and
 shapes against ``like`` and every file (sizes; CRC32s split over the ranks) -- one rank's
 failure is every rank's error, naming the file -- and only then reads with
-``torch.distributed.checkpoint``.
+``torch.distributed.checkpoint``, whose pickles are read through allowlists (:mod:`.trust`:
+a checkpoint from elsewhere cannot run code).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from ..collectives import failures
+from ..collectives import calls, failures
 from .. import pytree
 from ..layout import as_dtensor
 from .._ranks import _rank, _world
@@ -27,6 +28,7 @@ from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
 from .checks import agree, check_flag, check_path, digest, key_info
 from .dirs import latest
 from .errors import CheckpointError, _cause, _describe, _is_comm_failure, peers
+from .trust import Planner, Reader, read_metadata
 
 SHOWN = 3  # problems of each kind listed in a mismatch message; the rest are counted
 
@@ -54,7 +56,9 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
         CheckpointError: no checkpoint, or a missing, incomplete, corrupted or unreadable one.
         ValueError: the checkpoint's keys, shapes or dtypes differ from ``like``'s, or ranks
             were given different arguments.
-        CollectiveTimeout: another rank did not answer within the process group's timeout.
+        CollectiveTimeout: another rank did not call load (e.g. a load under
+            ``if rank == 0:``), or did not answer, within the process group's timeout;
+            the message names the ranks and their calls.
 
     Example: ``state = load("ckpt/step_000100", like=step.init(fs.shard(params, mesh)))``.
     """
@@ -62,18 +66,26 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     like_sd = dict(zip(keys, likes))
     later = later_fields(like, like_sd)
     real, err = check_path("load", path)
+    # every rank, before any collective: a load on some ranks only is a clear error
+    calls.enter("checkpoint.load", f"load from {real or path!r}")
     err = err or check_flag("load", "verify", verify)
     where = None
     if err is None:
         real, err = _newest_in(real)
     if err is None:
         where, err = _prepare_load(real, like_sd, _rank(), _world(), verify, later)
+    meta = None
+    if err is None:  # DCP's metadata pickle, read through an allowlist (.trust)
+        try:
+            meta = read_metadata(os.path.join(where, ".metadata"))
+        except CheckpointError as e:
+            err = ("CheckpointError", str(e))
     info = key_info(like_sd)
     target = {k: _empty_like(v) for k, v in like_sd.items()}
     with peers(f"load from {real or path!r}", "load", _rank()):
         agree("load", err, {"path": real, "verify": verify,
                             "like": digest(sorted(info.items()))}, full={"like": info})
-        _read(target, where, real)
+        _read(target, where, real, meta)
     values = []
     for k, v in zip(keys, likes):
         if k not in target:  # a field the checkpoint predates: what it meant there
@@ -87,15 +99,18 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     return pytree.unflatten(spec, values)
 
 
-def _read(target: dict, where: str, path: str) -> None:
-    """dcp.load into ``target``; DCP raises a rank's read error on every rank."""
+def _read(target: dict, where: str, path: str, meta) -> None:
+    """dcp.load into ``target``, no pickle read but through an allowlist (:mod:`.trust`);
+    DCP raises a rank's read error on every rank."""
     try:
-        dcp.load(target, storage_reader=dcp.FileSystemReader(where),
+        dcp.load(target, storage_reader=Reader(where, meta), planner=Planner(path),
                  no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
         if _is_comm_failure(e):
             raise
         r, cause = _cause(e, _rank())
+        if isinstance(cause, CheckpointError):  # a refusal of .trust: its own words
+            raise CheckpointError(f"{cause} (found by rank {r})") from e
         raise CheckpointError(f"incomplete or corrupted checkpoint at {path!r}: reading it "
                               f"failed on rank {r}: {_describe(cause)}") from e
 

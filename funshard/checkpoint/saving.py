@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
-from ..collectives import failures
+from ..collectives import calls, failures
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _timeout, _world
 from ..state_dict import Tree, state_dict
 from .atomic import FORMAT, _commit, _crc32, _recover, _write_marker
@@ -71,11 +71,15 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
         ValueError, TypeError: bad or differing arguments (on every rank; nothing written).
         CheckpointError: a rank's write failed (the message names the rank, the path and the
             cause: a full disk says so); the previous checkpoint at ``path`` is intact.
-        CollectiveTimeout: another rank did not answer within the process group's timeout.
+        CollectiveTimeout: another rank did not call save (e.g. a save under
+            ``if rank == 0:``), or did not answer, within the process group's timeout;
+            the message names the ranks and their calls.
 
     Example: ``save(f"ckpt/step_{state.step:06d}", state, keep=3)``.
     """
     real, err = check_path("save", path)
+    # every rank, before any collective: a save on some ranks only is a clear error
+    calls.enter("checkpoint.save", f"save to {real or path!r}")
     err = err or check_keep("save", keep) or check_flag("save", "async_save", async_save)
     sd, info = {}, {"keys": {}}
     if err is None:

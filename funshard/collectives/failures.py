@@ -35,8 +35,11 @@ later call raises :class:`OutOfStep`, naming the first error. A rank waits up to
 
 Ranks that make different calls (a step on one, a save on the other) block each other until
 the process-group timeout; then each posts where it was (:func:`calls_differ`) and the
-timeout error names every rank's call. A step also compares its gather order in the
-metrics all-reduce it makes anyway (:func:`funshard.step.agree.check_order`).
+timeout error names every rank's call. A checkpoint call waits for every rank to enter it
+before its first collective (:mod:`funshard.collectives.calls`), so one made on some ranks
+only fails by name on every rank instead of pairing its collectives with a step's. A step
+also compares its gather order in the metrics all-reduce it makes anyway
+(:func:`funshard.step.agree.check_order`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ import atexit
 import contextlib
 import functools
 import json
-import os
 import sys
 import time
 
 import torch.distributed as dist
+
+from . import linger
 
 PREFIX = "funshard/"
 # the process group's own failures (feature-detected): a peer timed out, died or hung up
@@ -90,6 +94,7 @@ class _Calls:
         self.start: dict | None = None  # position() as the current call began
         self.history: list[dict] = []  # this rank's last posted records, newest last
         self.errors = 0  # errors posted (numbered alike on ranks in step)
+        self.joined: dict[int, str] = {}  # rank 0's checkpoint-call entries joined (.calls)
 
 
 CALLS = _Calls()
@@ -286,29 +291,9 @@ def _post_record(store, rec: dict) -> None:
         return
     CALLS.history, CALLS.errors = history, rec["n"]
     CALLS.posted, CALLS.failed_seq = True, rec["seq"]
-    if _hosts_store() and not CALLS.lingering:
+    if linger.hosts_store() and not CALLS.lingering:
         CALLS.lingering = True
-        atexit.register(_linger, store)
-
-
-def _hosts_store() -> bool:
-    """This process serves the TCPStore its peers read (rank 0 of a MASTER_ADDR launch)."""
-    return (dist.get_rank() == 0 and "MASTER_ADDR" in os.environ
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
-
-
-def _linger(store, limit: float = 3.0) -> None:
-    """At exit of a failed store host: serve the store until every peer read the record, or
-    ``limit`` s (gloo closes this process's connections only as it ends, after this)."""
-    world = dist.get_world_size()
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        try:
-            if int(store.add(_key("read", 0), 0)) >= world - 1:
-                return
-        except Exception:  # noqa: BLE001
-            return
-        time.sleep(0.05)
+        linger.at_exit(store, _key("read", 0))  # peers count their reads there (records)
 
 
 def records(store=None, *, shared: bool = True) -> list[dict]:
@@ -371,30 +356,8 @@ def is_comm_failure(e: BaseException) -> bool:
 
 
 def calls_differ(where: str, wait: float = 1.5) -> str:
-    """A collective failed here without a posted error (a timeout, a peer gone): post this
-    rank's call and read the other ranks' (theirs fails too, at their timeout or when this
-    one's gives up); if they differ, the sentence that says which rank was in which call."""
-    store = _store()
-    if store is None:
-        return ""
-    me, world = dist.get_rank(), dist.get_world_size()
-    mine = {"seq": CALLS.seq, "what": CALLS.what, "where": where, "at": time.time()}
-    with contextlib.suppress(Exception):
-        store.set(_key("stuck", me), json.dumps(mine))
-    seen = {me: mine}
-    end = time.monotonic() + wait
-    while len(seen) < world and time.monotonic() < end:
-        for r in range(world):
-            if r not in seen:
-                with contextlib.suppress(Exception):
-                    if store.check([_key("stuck", r)]):
-                        rec = json.loads(store.get(_key("stuck", r)))
-                        if abs(rec["at"] - mine["at"]) < 60:  # not an earlier incident's
-                            seen[r] = rec
-        time.sleep(0.05)
-    if all((s["seq"], s["what"]) == (mine["seq"], mine["what"]) for s in seen.values()):
-        return ""
-    lines = "; ".join(f"rank {r} in its call {s['seq']}, {s['what']} ({s['where']})"
-                      for r, s in sorted(seen.items()))
-    return (f" Ranks made different calls: {lines}. Every rank must make the same funshard "
-            "calls (steps, saves, loads) in the same order.")
+    """A collective failed here without a posted error (a timeout, a peer gone): if the
+    ranks are in different calls, the sentence that says which rank was in which call
+    (:func:`funshard.collectives.calls.differ`)."""
+    from .calls import differ
+    return differ(where, wait)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from .. import collectives, pytree
 from ..layout import check_float_dtype, compute_dtype
 from ..optim import clip as optim_clip
-from . import agree, batches, call, lazy, recompute, scaling, update
+from . import agree, batches, call, donation, lazy, recompute, scaling, update
 from . import buffers as buffers_
 from . import loss as loss_
 from . import direct as direct_
@@ -165,7 +165,16 @@ class Policy:
         return compute_dtype(dtype, self.param_dtype)
 
 
-class TrainState(NamedTuple):
+class _TrainStateFields(NamedTuple):
+    params: Tree
+    opt_state: Tree
+    step: int
+    buffers: Tree = None
+    skipped: int = 0
+    loss_scale: Any = None
+
+
+class TrainState(donation.Donatable, _TrainStateFields):
     """Sharded parameters, optimizer state, the number of steps taken, the buffers
     (replicated; None when the model has none given), and how many of the steps were skipped
     (their update dropped: a non-finite gradient under ``Policy(skip_nonfinite=True)``).
@@ -176,14 +185,16 @@ class TrainState(NamedTuple):
     ``apply_if_finite``). A checkpoint written before ``skipped`` existed loads with 0.
     ``loss_scale``: a :class:`~funshard.step.scaling.LossScale` under
     ``Policy(loss_scale=)``, else None.
+
+    ``step(state, batch)`` donates ``state``: reading a donated state's ``params``,
+    ``opt_state``, ``buffers`` or ``loss_scale``, indexing or iterating it raises, naming
+    the step (see :mod:`funshard.step.donation`).
     """
 
-    params: Tree
-    opt_state: Tree
-    step: int
-    buffers: Tree = None
-    skipped: int = 0
-    loss_scale: Any = None
+    params = donation.field(0, "params")
+    opt_state = donation.field(1, "opt_state")
+    buffers = donation.field(3, "buffers")
+    loss_scale = donation.field(5, "loss_scale")
 
 
 class TrainStep(NamedTuple):
@@ -191,7 +202,7 @@ class TrainStep(NamedTuple):
 
     Calling the object is ``apply``. Donation rule: ``apply`` updates the parameters and
     optimizer state in place (their local shards), as JAX does with donated buffers; the
-    returned state is the one to use; do not use the old one after the call.
+    returned state is the one to use; the old one refuses to be read after the call.
     """
 
     init: Callable[[Tree], TrainState]
@@ -253,7 +264,7 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
             loss, aux = loss_.loss_of(loss_fn(tree, mb))
         loss_.same_kind(loss if first is None else first, loss, j)
         call.check_found(run)
-        loss_.check_differentiable(loss_.value(loss))
+        loss_.check_differentiable(loss_.value(loss), params)
         if not params.linted:  # the first step of this tree: once
             loss_.check_reaches_only_params(run, loss_.value(loss))
         run.checkpointing = recompute.checkpointed(run)
@@ -291,9 +302,10 @@ def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups,
     and its leaves."""
     leaves, spec = pytree.flatten(params)
     key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
-    if key not in cache or not all(isinstance(x, DTensor) for x in leaves):
-        cache[key] = ParamGroups(params, policy)  # validates: DTensors, one mesh, placements
-    return cache[key], leaves
+    got = cache.get(key)  # (none trainable: the tree may have been made trainable since)
+    if got is None or not any(got.trainable) or not all(isinstance(x, DTensor) for x in leaves):
+        cache[key] = got = ParamGroups(params, policy)  # validates: DTensors, one mesh, ...
+    return got, leaves
 
 
 def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
@@ -323,6 +335,7 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
             buffers_.write_back(bleaves, work)
         new_state = new_state._replace(buffers=state.buffers)
     # the optimizer updates the leaves in place: the new state holds the same tensors
+    donations.donate(state)
     return donations.remember(new_state, leaves), metrics
 
 
@@ -345,7 +358,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
     if not isinstance(policy, Policy):
         raise TypeError(f"train_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}  # per tree structure and mesh, like a jit cache
-    donations = Donations()
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    donations = Donations(f"train_step({name})")  # the step a state is donated to
     # the Policy's clipping and non-finite skip are the fs.optim transforms, in front
     optimizer = optim_clip.with_policy(
         optimizer, clip_norm=policy.clip_norm,

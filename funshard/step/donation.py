@@ -1,19 +1,83 @@
-"""Donation, enforced, as JAX does: ``step(state, batch)`` updates the state's parameters and
-optimizer state in place, so the state given is used up; using it again raises."""
+"""Donation, enforced, as ``jax.jit(donate_argnums=)`` does: ``step(state, batch)`` updates
+the state's parameters and optimizer state in place (their local shards), so the state given
+is used up and the returned one is the state to go on with.
+
+The step marks the state it was given as donated: one attribute, no work per leaf. Reading a
+donated state's ``params``, ``opt_state``, ``buffers`` or ``loss_scale``, indexing,
+iterating or unpacking it (``_replace``, ``_asdict``, pickling, ``fs.state_dict`` and
+``fs.checkpoint.save`` do) raises a ``ValueError`` naming the step it was donated to and
+the fix; its ``step`` and ``skipped`` counts stay readable. optree reads a tuple's items
+directly, so ``optree.tree_flatten`` of a donated state still walks it: funshard's own
+functions read a state through its fields. A state that reaches the step again another way
+(a copy taken before the call) is caught by its step count (:class:`Donations`).
+"""
 
 from __future__ import annotations
 
 import weakref
 
 
-class Donations:
-    """Donation, enforced: a state's parameters are updated in place, so the step remembers,
-    per tree (keyed by its first leaf's identity: tensors compare elementwise), the step
-    count of the state it last returned; a state with another count is an old, donated one.
-    Trees that died are dropped."""
+class Donatable:
+    """A NamedTuple state that refuses to be read once donated (mixed in ahead of the
+    fields, with :func:`field` over the donated ones)."""
 
-    def __init__(self):
+    __slots__ = ()
+    _donated_to = None  # the step the state was given to, once it was
+
+    def __iter__(self):
+        if self._donated_to is not None:
+            refuse(self, "iterating (unpacking, _replace, pickling, a state dict of) it")
+        return tuple.__iter__(self)
+
+    def __getitem__(self, i):
+        if self._donated_to is not None:
+            refuse(self, f"indexing it ([{i!r}], as fs.state_dict and fs.checkpoint.save do)")
+        return tuple.__getitem__(self, i)
+
+    def __repr__(self) -> str:
+        if self._donated_to is not None:
+            return (f"{type(self).__name__}(<donated to {self._donated_to}>, "
+                    f"step={getattr(self, 'step', '?')})")
+        return super().__repr__()
+
+
+def field(index: int, name: str) -> property:
+    """The NamedTuple field ``name`` (at ``index``), refused on a donated state."""
+
+    def read(state):
+        if state._donated_to is not None:
+            refuse(state, f"reading its .{name}")
+        return tuple.__getitem__(state, index)
+
+    return property(read, doc=f"``{name}`` (refused once the state is donated to a step).")
+
+
+def refuse(state, what: str):
+    n = getattr(state, "step", None)
+    after = f" and returned the state at step {n + 1}" if isinstance(n, int) else ""
+    raise ValueError(
+        f"this {type(state).__name__} (step {n}) was donated to {state._donated_to}, which "
+        f"updated its parameters and optimizer state in place{after}: {what} would give the "
+        "new values under the old state's name (jax.jit(donate_argnums=) deletes a donated "
+        "array the same way). Use the state the step returned: "
+        "state, metrics = step(state, batch).")
+
+
+class Donations:
+    """Donation, enforced, for one step named ``label``: :meth:`donate` marks the state the
+    step was given; and the step remembers, per tree (keyed by its first leaf's identity:
+    tensors compare elementwise), the step count of the state it last returned, so that a
+    state with another count (a copy of an old, donated one) is refused too. Trees that died
+    are dropped."""
+
+    def __init__(self, label: str = "train_step"):
+        self.label = label
         self._by_id: dict[int, tuple[weakref.ref, int]] = {}
+
+    def donate(self, state) -> None:
+        """Mark ``state`` donated: the step updated its leaves in place."""
+        if isinstance(state, Donatable):
+            state._donated_to = self.label
 
     def remember(self, state, leaves: list):
         """Remember ``state`` as the latest of its tree; ``leaves``: its parameter leaves
@@ -30,7 +94,7 @@ class Donations:
         if ref is not None and ref() is leaves[0] and state.step != last:
             raise ValueError(
                 f"train_step: this TrainState (step {state.step}) was donated to an earlier call "
-                f"of this step, which updated its parameters and optimizer state in place and "
-                f"returned the state at step {last}; use the state it returned: "
+                f"of {self.label}, which updated its parameters and optimizer state in place "
+                f"and returned the state at step {last}; use the state it returned: "
                 "state, metrics = step(state, batch)."
             )

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .. import pytree
 from . import scaling
 from .install import own_tensors
 
@@ -194,8 +195,19 @@ def _module_name(run, t: torch.Tensor) -> str:
     return ""
 
 
-def check_differentiable(loss: torch.Tensor) -> None:
+def check_differentiable(loss: torch.Tensor, params=None) -> None:
+    """The loss requires grad; ``params`` (a ``ParamGroups``) tells a tree none of whose
+    leaves requires grad (plain ``torch.randn`` tensors) from a detached loss."""
     if not loss.requires_grad:
+        if params is not None and params.trainable and not any(params.trainable):
+            names = [pytree.fqn(p) for p in params.spec.paths()]
+            shown = ", ".join(map(repr, names[:2])) + (", ..." if len(names) > 2 else "")
+            raise ValueError(
+                f"train_step: no leaf of the parameter tree requires grad ({shown}: "
+                f"{len(names)} leaves), so there is nothing to train. Tensors made with "
+                "torch.randn or torch.zeros do not require grad; make the leaves trainable "
+                "before fs.shard: params = {k: v.requires_grad_() for k, v in params.items()}, "
+                "or take a module's parameters with fs.params(module), which do.")
         raise ValueError(
             "train_step: the loss does not require grad, so the step would change nothing: "
             "loss_fn returned a detached loss (loss.detach(), .item(), a new tensor) or one "
