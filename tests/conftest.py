@@ -1,4 +1,5 @@
-"""Shared fixtures: one pool of spawned gloo ranks per world size for the whole session."""
+"""Shared fixtures: the plugin's pool of spawned gloo ranks (one per world size, for the
+whole session), the suite's hypothesis profile, and helpers of parity tests."""
 
 import os
 import sys
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from funshard.testing import DEVICE, Pool, devices_for, world_of
+from funshard.testing import DEVICE
+from funshard.testing.strategies import pool_settings
 
 # The repository root, where `benchmarks` and `examples` live outside the library. Under
 # pytest's default import mode only tests/ is on sys.path; spawned ranks inherit sys.path.
@@ -15,16 +17,23 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Examples per property per mesh; FUNSHARD_EXAMPLES raises it (see README).
+# The funshard_pool fixture comes from funshard's pytest plugin, which pytest loads (before
+# this file) where funshard is installed (an entry point); an interpreter that runs the
+# checkout without installing it (a GPU machine's, on PYTHONPATH) loads the plugin here.
+if "funshard.testing.plugin" not in sys.modules:
+    pytest_plugins = ["funshard.testing.plugin"]
+
+# Examples per property per mesh; FUNSHARD_EXAMPLES raises it (see README). The profile
+# extends the plugin's ("funshard": no deadline, since a first call spawns ranks).
 EXAMPLES = int(os.environ.get("FUNSHARD_EXAMPLES", "25"))
 settings.register_profile(
-    "funshard",
+    "funshard-suite",
+    pool_settings,
     max_examples=EXAMPLES,
-    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     derandomize=os.environ.get("CI") is not None,
 )
-settings.load_profile("funshard")
+settings.load_profile("funshard-suite")
 
 MESHES = [1, 2, 3, 4, "2x2"]
 
@@ -56,34 +65,13 @@ def torch_step(opt, loss) -> float:
     return t.item() / dist.get_world_size()
 
 
-class Pools:
-    """Lazily started pools, one per world size; ``pools.run(spec, fn, *args)``."""
-
-    def __init__(self):
-        self._pools: dict[int, Pool] = {}
-
-    def get(self, spec) -> Pool:
-        world = world_of(spec)
-        why = devices_for(world)
-        if why:
-            pytest.skip(f"{DEVICE} lane: {why}")
-        if world not in self._pools:
-            self._pools[world] = Pool(world, timeout=120.0)
-        return self._pools[world]
-
-    def run(self, spec, fn, *args, **kwargs):
-        return self.get(spec).run(fn, spec, *args, **kwargs)
-
-    def close(self):
-        for p in self._pools.values():
-            p.close()
-
-
 @pytest.fixture(scope="session")
-def pools():
-    p = Pools()
-    yield p
-    p.close()
+def pools(funshard_pool):
+    """The plugin's ``funshard_pool``: ``pools.run(spec, fn, *args)`` runs ``fn(spec, *args)``
+    on the ranks of mesh ``spec``. The suite's worlds go up to 8 (a checkpoint resharded to 8
+    ranks, under FUNSHARD_SLOW)."""
+    funshard_pool.max_world = max(funshard_pool.max_world, 8)
+    return funshard_pool
 
 
 def pytest_collection_modifyitems(config, items):

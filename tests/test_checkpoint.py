@@ -25,11 +25,12 @@ from funshard.state_dict import _flat, _groups
 from funshard.step import LossScale
 from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, LiveMemory, mesh
+from funshard.testing.strategies import shapes
 from conftest import MESHES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "bool": torch.bool}
-SHAPES = st.lists(st.sampled_from([0, 1, 2, 3, 5, 7]), min_size=0, max_size=3).map(tuple)
+SHAPES = shapes(max_dims=3, max_side=7)
 LEAVES = st.lists(st.tuples(SHAPES, st.sampled_from(sorted(DTYPES))), min_size=1, max_size=4)
 
 

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from funshard import optim
+from funshard.testing import strategies
 
 SHAPES = [(3, 5), (7,), (), (0, 3), (2, 3, 4)]
 STEPS = 5
@@ -133,7 +134,7 @@ def test_lr_schedule(which):
     b1=st.floats(0.0, 0.99),
     b2=st.floats(0.5, 0.9999),
     wd=st.floats(0.0, 0.5),
-    shapes=st.lists(st.lists(st.integers(0, 4), max_size=3).map(tuple), min_size=1, max_size=4),
+    shapes=st.lists(strategies.shapes(max_dims=3, max_side=4), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
 def test_adamw_property(lr, b1, b2, wd, shapes, seed):

@@ -12,37 +12,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funshard as fs
 from funshard.testing import TEST_DTYPES, CountCollectives, capture, make_tensor, mesh
+from funshard.testing.strategies import shapes, trees
 from conftest import MESHES
 
 DTYPES = TEST_DTYPES
-SIZES = st.sampled_from([0, 1, 2, 3, 5, 7, 8, 11])
-SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple)
-LEAF = st.tuples(SHAPES, st.sampled_from(sorted(DTYPES)))
-TREES = st.lists(LEAF, min_size=1, max_size=4)
+# nested dicts / lists / tuples with None slots; every dtype, integer and bool ones included
+TREES = trees(integers=True, none=True, frozen=True)
+SHAPE_LISTS = st.lists(shapes(max_dims=3), min_size=1, max_size=3)  # float32 leaves' shapes
+ROW_SHAPE_LISTS = st.lists(shapes(min_dims=1, max_dims=3), min_size=1, max_size=4)  # no scalars
 
 
 make = make_tensor
 
 
-def tree_of(leaves, seed):
-    """A nested tree: {'a': [t0, (t1, None)], 'b': {'c': t2, ...}}-like from a leaf list."""
-    ts = [make(s, d, seed + i) for i, (s, d) in enumerate(leaves)]
-    tree = {"layers": [{"w": ts[0]}]}
-    if len(ts) > 1:
-        tree["layers"].append({"w": ts[1], "skip": None})
-    if len(ts) > 2:
-        tree["head"] = (ts[2],)
-    if len(ts) > 3:
-        tree["norm.weight"] = ts[3]
-    return tree
-
-
 # -- worker functions (run on every rank) ------------------------------------------------
 
 
-def roundtrip(spec, leaves, seed):
+def roundtrip(spec, x):
     m = mesh(spec)
-    x = tree_of(leaves, seed)
     with CountCollectives() as cc:
         s = fs.shard(x, m)
     shard_counts = dict(cc.counts)
@@ -57,6 +44,8 @@ def roundtrip(spec, leaves, seed):
         if not (isinstance(sd, DTensor) and sd.shape == ref.shape and sd.dtype == ref.dtype):
             problems.append(f"{k}: shard gave {type(sd).__name__} {sd.shape} {sd.dtype}")
             continue
+        if sd.requires_grad != ref.requires_grad:
+            problems.append(f"{k}: requires_grad {ref.requires_grad} became {sd.requires_grad}")
         if not (fulls[k].dtype == ref.dtype and torch.equal(fulls[k], ref)):
             problems.append(f"{k}: unshard(shard(x)) != x")
         if not torch.equal(backs[k].to_local(), sd.to_local()):
@@ -143,9 +132,9 @@ def bucket_parity(spec, shapes, puts, seed, borrow=False):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES, ids=str)
-@given(leaves=TREES, seed=st.integers(0, 2**16))
-def test_roundtrip_laws(pools, spec, leaves, seed):
-    results = pools.run(spec, roundtrip, leaves, seed)
+@given(tree=TREES)
+def test_roundtrip_laws(pools, spec, tree):
+    results = pools.run(spec, roundtrip, tree)
     for rank, (problems, shard_counts, gather_counts, gatherable) in enumerate(results):
         assert problems == [], f"rank {rank}: {problems}"
         assert shard_counts == {}, "shard must not communicate"
@@ -156,8 +145,7 @@ def test_roundtrip_laws(pools, spec, leaves, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES, ids=str)
-@given(shapes=st.lists(st.lists(SIZES, min_size=0, max_size=3).map(tuple), min_size=1,
-                       max_size=3), seed=st.integers(0, 2**16))
+@given(shapes=SHAPE_LISTS, seed=st.integers(0, 2**16))
 def test_unshard_grad_is_reduce_grads(pools, spec, shapes, seed):
     for rank, (vs_reduce, vs_mean, placements_ok, counts) in enumerate(
         pools.run(spec, grad_parity, shapes, seed, None)
@@ -353,8 +341,8 @@ def test_make_mesh_single_process():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MESHES, ids=str)
-@given(shapes=st.lists(st.lists(SIZES, min_size=0, max_size=3).map(tuple), min_size=1,
-                       max_size=4), data=st.data(), seed=st.integers(0, 2**16))
+@given(shapes=st.lists(shapes(max_dims=3), min_size=1, max_size=4), data=st.data(),
+       seed=st.integers(0, 2**16))
 def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
     puts = data.draw(st.lists(st.integers(0, len(shapes) - 1), max_size=8))
     borrow = data.draw(st.booleans())  # gradients kept and sent from (gloo) or copied
@@ -426,8 +414,7 @@ def exchange_parity(spec, shapes, seed, direct="p2p"):
 @pytest.mark.slow
 @pytest.mark.parametrize("direct", ["p2p", "cma"])
 @pytest.mark.parametrize("spec", [2, 3, 4, "2x2"], ids=str)
-@given(shapes=st.lists(st.lists(SIZES, min_size=1, max_size=3).map(tuple), min_size=1,
-                       max_size=4), seed=st.integers(0, 2**16))
+@given(shapes=ROW_SHAPE_LISTS, seed=st.integers(0, 2**16))
 def test_direct_exchange_is_the_collective(pools, spec, direct, shapes, seed):
     for rank, (problems, worst, nops, dops, ncounts, dcounts) in enumerate(
             pools.run(spec, exchange_parity, shapes, seed, direct)):
@@ -468,8 +455,8 @@ def flat_api_parity(spec, shapes, seed):
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-@given(shapes=st.lists(st.lists(SIZES, min_size=1, max_size=3).map(tuple), min_size=1,
-                       max_size=3), seed=st.integers(0, 2**16))
+@given(shapes=st.lists(shapes(min_dims=1, max_dims=3), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
 @settings(max_examples=10)
 def test_flat_api_fallback_is_the_same(pools, spec, shapes, seed):
     for rank, (same, exact, ops, counts, api) in enumerate(

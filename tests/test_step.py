@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import funshard as fs
 from funshard.testing.models import GPT, MLP, gpt_loss, mse_loss
 from funshard.testing import CountCollectives, capture, mesh
+from funshard.testing.strategies import policies
 from conftest import EXAMPLES, MESHES, fsdp2_twin, torch_step
 
 
@@ -184,12 +185,11 @@ def test_gradient_accumulation(pools, spec):
 
 @pytest.mark.slow
 @settings(max_examples=max(8, EXAMPLES // 3))
-@given(spec=st.sampled_from(MESHES), raf=st.booleans(), accumulate=st.sampled_from([1, 2]),
-       clip=st.sampled_from([None, 0.1]), prefetch=st.booleans())
-def test_parity_property(pools, spec, raf, accumulate, clip, prefetch):
-    policy = {"reshard_after_forward": raf, "accumulate": accumulate, "clip_norm": clip,
-              "prefetch": prefetch}
-    check(pools.run(spec, parity, "mlp", "sgd", policy, steps=2, per_rank=2), tol=2e-5)
+@given(spec=st.sampled_from(MESHES), policy=policies(accumulate=(1, 2), clip_norms=(None, 0.1)))
+def test_parity_property(pools, spec, policy):
+    kwargs = {k: getattr(policy, k) for k in ("reshard_after_forward", "accumulate", "clip_norm",
+                                              "prefetch")}
+    check(pools.run(spec, parity, "mlp", "sgd", kwargs, steps=2, per_rank=2), tol=2e-5)
 
 
 def mixed_precision(spec):

@@ -122,3 +122,118 @@ def test_a_call_that_parts_the_ranks_collectives_restarts_the_pool(pool):
     msg = str(e.value)
     assert "ranks started different collectives" in msg and "out of step" in msg, msg
     assert pool.run(rank_and_sum) == [(0, 1.0), (1, 1.0)]  # restarted and usable
+
+
+# -- Pools and the pytest plugin ---------------------------------------------------------
+
+
+def spec_and_world(spec):
+    return spec, dist.get_world_size(), dist.get_rank()
+
+
+def test_pools_pick_the_world_per_call():
+    from funshard.testing import Pools
+
+    pools = Pools(max_world=4)
+    try:
+        assert pools.run("1x2", spec_and_world) == [("1x2", 2, 0), ("1x2", 2, 1)]
+        assert [r[1:] for r in pools.run(3, spec_and_world)] == [(3, 0), (3, 1), (3, 2)]
+        with pytest.raises(ValueError, match=r"mesh '2x4' needs 8 ranks; this pool runs at most "
+                                             r"4 \(pytest: --funshard-max-world=8\)"):
+            pools.run("2x4", spec_and_world)
+        with pytest.raises(ValueError, match=r"mesh spec '2x': a 2-D spec is 'RxS'"):
+            pools.run("2x", spec_and_world)
+        with pytest.raises(TypeError, match=r"mesh spec 2.0: use an int"):
+            pools.run(2.0, spec_and_world)
+    finally:
+        pools.close()
+
+
+def test_the_suite_pool_is_the_plugin_fixture(pools, funshard_pool):
+    assert pools is funshard_pool and pools.max_world >= 8
+
+
+PLAIN = '''
+import multiprocessing
+import os
+import sys
+
+
+def test_no_rank_is_spawned():
+    assert "funshard.testing.plugin" in sys.modules  # loaded, by its entry point
+    assert multiprocessing.active_children() == []
+    with open(f"/proc/self/task/{os.getpid()}/children") as f:
+        assert f.read().split() == [], "the plugin started processes"
+'''
+
+USER = '''
+import torch.distributed as dist
+from hypothesis import given, settings
+
+import funshard as fs
+from funshard.testing.strategies import meshes, pool_settings, trees
+
+CALLS = []
+
+
+def law(spec, tree):
+    """Fails on rank 1 for a matrix of 3 rows or more."""
+    if dist.get_rank() == 1:
+        for x in fs.pytree.leaves(tree):
+            assert not (x.ndim == 2 and x.shape[0] >= 3), f"a matrix of {x.shape[0]} rows"
+    return dist.get_rank()
+
+
+@settings(pool_settings, max_examples=60, database=None, derandomize=True)
+@given(tree=trees(), spec=meshes(max_world=2, dims=(1,)))
+def test_law(funshard_pool, tree, spec):
+    CALLS.append(spec)
+    funshard_pool.run(spec, law, tree)
+
+
+def test_the_pool_kept_serving(funshard_pool):
+    assert len(CALLS) > 10  # hypothesis shrank on the pool after the failure
+    assert funshard_pool.run(2, law, {"w": __import__("torch").zeros(2, 3)}) == [0, 1]
+
+
+def test_a_world_past_the_bound(funshard_pool):
+    try:
+        funshard_pool.run(4, law, {})
+    except ValueError as e:
+        assert "needs 4 ranks; this pool runs at most 2" in str(e)
+    else:
+        raise AssertionError("a world of 4 ran")
+'''
+
+
+def run_pytest(path, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(path), *args], capture_output=True, text=True, timeout=300,
+                          cwd=path.parent)
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/children"),
+                    reason="reads a process's children from Linux's /proc")
+def test_the_plugin_spawns_nothing_unless_asked(tmp_path):
+    (tmp_path / "test_plain.py").write_text(PLAIN)
+    out = run_pytest(tmp_path / "test_plain.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout
+
+
+def test_a_rank_failure_is_the_test_failure_and_shrinks(tmp_path):
+    (tmp_path / "test_user.py").write_text(USER)
+    out = run_pytest(tmp_path / "test_user.py", "--funshard-max-world=2")
+    text = out.stdout
+    assert out.returncode == 1 and "1 failed, 2 passed" in text, text + out.stderr
+    assert "RankError: law failed on 2 ranks:" in text, text
+    assert "--- rank 0: ok" in text and "--- rank 1: AssertionError: a matrix of 3 rows" in text
+    assert 'test_user.py", line' in text and "in law" in text  # the rank's traceback
+    # shrunk to a small failing example: one (3, 0) leaf, on the world that fails
+    case = text[text.index("Failing test case: test_law("):]
+    case = case[:case.index(")\n")]
+    assert case.count("tensor(") == 1 and "tensor([], size=(3, 0))" in case, case
+    assert "spec=2," in case, case

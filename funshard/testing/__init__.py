@@ -5,17 +5,22 @@ tensor memory, parity inputs, small reference models.
     >>> with Pool(2) as pool:
     ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
 
-``pool`` (Pool, mesh, the lane's DEVICE / device / devices_for), ``counting`` (classify,
-CountCollectives), ``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor,
-capture), ``launch`` (free_port, under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss,
-MatMulT).
+``pool`` (Pool, Pools, mesh, the lane's DEVICE / device / devices_for), ``parity``
+(assert_parity: N ranks against one process), ``counting`` (classify, CountCollectives),
+``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture),
+``launch`` (free_port, under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss, MatMulT).
+``strategies`` (hypothesis strategies: shapes, dtypes, trees, meshes, policies) needs
+hypothesis and is imported by name; ``plugin`` is the pytest plugin (the ``funshard_pool``
+fixture), which pytest loads by itself.
 """
 
 from . import models
 from .counting import CountCollectives, classify
 from .launch import free_port, under_torchrun
 from .memory import LiveMemory, LivePeak, tensor_bytes
-from .pool import DEVICE, MeshSpec, Pool, RankError, device, devices_for, mesh, world_of
+from .parity import assert_parity
+from .pool import (DEVICE, MeshSpec, Pool, Pools, RankError, device, devices_for, mesh,
+                   world_of)
 from .tensors import TEST_DTYPES, capture, make_tensor
 
 __all__ = [
@@ -27,7 +32,9 @@ __all__ = [
     "LivePeak",
     "MeshSpec",
     "Pool",
+    "Pools",
     "RankError",
+    "assert_parity",
     "capture",
     "classify",
     "device",

@@ -1,8 +1,10 @@
 """Multi-process test harness: run a function on N gloo ranks and collect every result.
 
-A :class:`Pool` spawns ``world`` worker processes once (each with the default process group
-initialised on gloo) and runs many functions on them, so a test suite, or hypothesis with
-hundreds of examples, pays the spawn cost once per world size. A rank that raises fails the
+A :class:`Pool` starts ``world`` worker processes once (each with the default process group
+initialised on gloo; on the CPU they fork from a server that imported torch once) and runs
+many functions on them, so a test suite, or hypothesis with hundreds of examples, pays the
+start-up once per world size; :class:`Pools` holds one per world size, which a mesh spec
+picks per call (the pytest fixture ``funshard_pool``). A rank that raises fails the
 call with every rank's traceback within seconds; a rank that hangs fails it at ``timeout``
 and the pool restarts itself for the next call (when every rank raised, the workers are
 healthy and are kept). A call after which the ranks' cross-memory exchanges do not stand
@@ -51,11 +53,24 @@ class RankError(RuntimeError):
 
 
 def world_of(spec) -> int:
-    """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4."""
-    if isinstance(spec, int):
+    """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4.
+
+    Raises:
+        TypeError: ``spec`` is neither an int nor a string.
+        ValueError: ``spec`` is not an int >= 1 nor a ``"RxS"`` string.
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"mesh spec {spec}: a 1-D mesh needs >= 1 rank")
         return spec
-    rep, sh = (int(x) for x in str(spec).split("x"))
-    return rep * sh
+    if not isinstance(spec, str):
+        raise TypeError(f"mesh spec {spec!r}: use an int (1-D, e.g. 4) or 'RxS' (2-D, e.g. "
+                        "'2x2': replicate x shard)")
+    parts = spec.split("x")
+    if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
+        raise ValueError(f"mesh spec {spec!r}: a 2-D spec is 'RxS' with R, S >= 1 (replicate "
+                         "x shard), e.g. '2x2'")
+    return int(parts[0]) * int(parts[1])
 
 
 def device() -> torch.device:
@@ -148,6 +163,20 @@ def _out_of_step(replies: dict) -> str:
     return ""
 
 
+def _context():
+    """How ranks start. On the CPU, from a fork server that imported torch and funshard once
+    (each rank then starts in milliseconds, not the seconds an import of torch takes: on a
+    small machine, a session that starts worlds 1 to 4 waits for 10 imports otherwise); on
+    CUDA, spawned, so that no rank inherits a process that touched the driver. A forked
+    rank's environment is the server's, taken from this process when its first pool
+    started: set environment variables the ranks read before then."""
+    if DEVICE == "cuda" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts (once per process)
+    return ctx
+
+
 class Pool:
     """``world`` spawned gloo ranks that run functions on demand.
 
@@ -166,7 +195,7 @@ class Pool:
         self._dir: str | None = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._dir = tempfile.mkdtemp(prefix="funshard-pool-")
         init_file = os.path.join(self._dir, "store")
         for rank in range(self.world):
@@ -227,11 +256,42 @@ class Pool:
                 f"Pool.run: {fn!r} or its arguments cannot be pickled ({e}); use a module-level "
                 "function and picklable arguments."
             ) from e
-        if not self._procs:
-            self._start()
-        for c in self._conns:
-            c.send_bytes(msg)
+        self._send(msg)
         timeout = self.timeout if timeout is None else timeout
+        replies, failed_at = self._collect(timeout)
+        apart = _out_of_step(replies) if len(replies) == self.world else ""
+        if not apart and len(replies) == self.world and all(
+                rep[0] == "ok" for rep in replies.values()):
+            return [replies[r][1] for r in range(self.world)]
+        if apart or len(replies) < self.world or any(
+                rep[0] == "died" for rep in replies.values()) or any(
+                not p.is_alive() for p in self._procs):
+            self._kill()  # some ranks may be stuck in a collective: start afresh next time
+        raise RankError(self._report(fn, replies, failed_at, apart, timeout))
+
+    def _send(self, msg: bytes) -> None:
+        """``msg`` to every rank, starting the ranks first if they are not running (or a
+        rank's end of its pipe is gone: a worker killed from outside)."""
+        for attempt in (0, 1):
+            if not self._procs:
+                self._start()
+            try:
+                for c in self._conns:
+                    c.send_bytes(msg)
+                return
+            except OSError:
+                if attempt:
+                    raise
+                self._kill()
+
+    def _died(self, r: int) -> tuple:
+        p = self._procs[r]
+        p.join(1.0)  # its exit code, once the process is reaped
+        return ("died", f"rank {r} died (exit code {p.exitcode})")
+
+    def _collect(self, timeout: float) -> tuple[dict, float | None]:
+        """Every rank's reply (kind, value, positions) that came by ``timeout``, or by
+        ``grace`` after the first failure; and when the first failure came (or None)."""
         replies: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         failed_at = None
@@ -246,19 +306,18 @@ class Pool:
                 try:
                     replies[r] = pickle.loads(c.recv_bytes())
                 except (EOFError, OSError):
-                    replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
-                if replies[r][0] == "err" and failed_at is None:
+                    replies[r] = self._died(r)
+                if replies[r][0] != "ok" and failed_at is None:
                     failed_at = time.monotonic()
             for c, r in pending.items():  # a worker killed without closing its pipe
                 if r not in replies and not self._procs[r].is_alive():
-                    replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                    replies[r] = self._died(r)
                     failed_at = failed_at or time.monotonic()
-        apart = _out_of_step(replies) if len(replies) == self.world else ""
-        if not apart and len(replies) == self.world and all(
-                rep[0] == "ok" for rep in replies.values()):
-            return [replies[r][1] for r in range(self.world)]
-        if apart or len(replies) < self.world or any(not p.is_alive() for p in self._procs):
-            self._kill()  # some ranks may be stuck in a collective: start afresh next time
+        return replies, failed_at
+
+    def _report(self, fn: Callable, replies: dict, failed_at: float | None, apart: str,
+                timeout: float) -> str:
+        """The message of a failed call: what each rank did (ok, its traceback, hung)."""
         name = getattr(fn, "__qualname__", repr(fn))
         lines = [f"{name} failed on {self.world} ranks:"]
         if apart:
@@ -274,4 +333,60 @@ class Pool:
                 lines.append(f"--- rank {r}: {why} ({timeout:.0f}s limit)")
             else:
                 lines.append(f"--- rank {r}: {val}")
-        raise RankError("\n".join(lines))
+        return "\n".join(lines)
+
+
+class Pools:
+    """One :class:`Pool` per world size up to ``max_world``, each spawned on first use and
+    kept; a mesh spec picks the world per call (what the pytest fixture ``funshard_pool``
+    is).
+
+    Args:
+        max_world: the most ranks a call may ask for.
+        timeout: default seconds a call may take (see :class:`Pool`).
+        unavailable: called with the reason when this machine cannot run a world on the
+            lane's device (the pytest plugin skips the test); by default RuntimeError.
+
+    >>> pools = Pools(max_world=4)
+    >>> pools.run("2x2", my_module.check, tree)   # my_module.check("2x2", tree) on 4 ranks
+    """
+
+    def __init__(self, max_world: int = 4, *, timeout: float = 120.0,
+                 unavailable: Callable[[str], Any] | None = None):
+        if isinstance(max_world, bool) or not isinstance(max_world, int) or max_world < 1:
+            raise ValueError(f"Pools: max_world={max_world!r} must be an int >= 1")
+        self.max_world, self.timeout = max_world, timeout
+        self._unavailable = unavailable
+        self._pools: dict[int, Pool] = {}
+
+    def get(self, spec) -> Pool:
+        """The pool of ``spec``'s world size, spawned on first use."""
+        world = world_of(spec)
+        if world > self.max_world:
+            raise ValueError(f"mesh {spec!r} needs {world} ranks; this pool runs at most "
+                             f"{self.max_world} (pytest: --funshard-max-world={world})")
+        why = devices_for(world)
+        if why:
+            if self._unavailable is not None:
+                self._unavailable(f"{DEVICE} lane: {why}")
+            raise RuntimeError(f"{DEVICE} lane: {why}")
+        if world not in self._pools:
+            self._pools[world] = Pool(world, timeout=self.timeout)
+        return self._pools[world]
+
+    def run(self, spec, fn: Callable, *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> list:
+        """``fn(spec, *args, **kwargs)`` on every rank of ``spec``'s world; the results in
+        rank order. ``fn`` builds its mesh with :func:`mesh` (``mesh(spec)``).
+
+        Raises:
+            RankError: some rank raised, hung or died; the message has every rank's
+                traceback. The pool keeps serving (restarted if a rank was stuck).
+        """
+        return self.get(spec).run(fn, spec, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        """Stop every pool's workers."""
+        for p in self._pools.values():
+            p.close()
+        self._pools = {}
