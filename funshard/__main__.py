@@ -15,24 +15,31 @@ From the repository root:
   torchrun --nproc-per-node 2 examples/quickstart.py
                                       the README example: meta init, load, train, resume,
                                       evaluate, export (--mesh 2x2 with 4 processes)
-  bash scripts/test.sh [PYTEST ARGS]  the test suite
+  bash scripts/test.sh [PYTEST ARGS]  the test suite (--device cuda: the CUDA lane)
   bash scripts/setup.sh [--dry-run]   create .venv with the CPU build of torch and funshard
-  python -m benchmarks.bench [FLAGS]  funshard vs FSDP2, DDP and the compute-only floor
+  bash scripts/docs.sh                the guides and the API reference, built into site/
+  python -m benchmarks.bench [FLAGS]  funshard vs FSDP2 on the same transport, DDP and the
+                                      compute-only floor
   python -m funshard --version        the version
 
 In your own code, import funshard as fs:
 
-  fs.make_mesh, fs.params, fs.shard, fs.unshard, fs.reshard, fs.reduce_grads
+  fs.make_mesh, fs.params, fs.buffers, fs.shard, fs.unshard, fs.reshard, fs.reduce_grads
   fs.train_step, fs.Policy, fs.TrainState       the training step
+  fs.call, fs.eval_step, fs.Mean, fs.MicroBatches
   fs.state_dict, fs.load_state_dict             full / sharded / local state dicts
-  fs.optim        sgd, adamw: pure optimizers over sharded trees
+  fs.optim        sgd, adam, adamw, chain, schedules, muon, from_torch: optax-style
   fs.checkpoint   save, load, latest, prune, export_full, import_full, export_module
   fs.plan         per-rank memory and traffic on paper, from shapes alone
-  fs.testing      Pool (N gloo ranks), CountCollectives, LiveMemory, small models
+  fs.testing      Pool (N gloo ranks), assert_parity (N ranks == one process),
+                  CountCollectives, LiveMemory, small models; strategies (hypothesis) and
+                  the funshard_pool pytest fixture (docs/property-testing.md)
   fs.pytree       optree under namespace "funshard"
-  fs.collectives         the transports (c10d collectives, gloo's direct exchange)
+  fs.collectives  the transports: "c10d" (torch.distributed's collectives, the default),
+                  "p2p" and "cma" (opt-in, one host's gloo CPU ranks)
 
-See README.md.
+Documentation: README.md, then docs/ (docs/index.md; bash scripts/docs.sh builds the site
+with the API reference). History: CHANGELOG.md.
 """
 
 

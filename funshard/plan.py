@@ -132,16 +132,18 @@ def plan(
         shapes: an ``nn.Module`` (meta is fine) or a dict fqn -> tensor | shape (float32,
             trainable); every leaf of ndim >= 1 is sharded on dim 0, 0-d leaves replicated,
             as ``fs.shard``'s default spec does.
-        shard, replicate: the mesh.
+        shard: the mesh's ``"shard"`` size.
+        replicate: the mesh's ``"replicate"`` size.
         policy: groups, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``,
             ``prefetch`` as the step would use them.
         optimizer: ``"adamw"`` (2 state tensors per parameter), ``"sgd_momentum"`` (1),
             ``"sgd"`` (0).
-        forward, backward: group names in the order the loss uses them (a group may repeat),
-            backward listing the groups it gathers again; default: groups in parameter
-            order, backward in reverse with the last forward group still gathered.
-            :func:`gpt_order` gives the GPT's. As the step does, a backward that starts with
-            one of the last two forward groups keeps that group gathered from forward on.
+        forward: group names in the order the loss uses them (a group may repeat); default:
+            groups in parameter order. :func:`gpt_order` gives the GPT's.
+        backward: the groups backward gathers again, in its order; default: ``forward``
+            reversed with the last forward group still gathered. As the step does, a
+            backward that starts with one of the last two forward groups keeps that group
+            gathered from forward on.
     Returns:
         :class:`Plan`. ``memory`` (bytes, on the rank with the largest shards): ``params``,
         ``grads`` (reduced shards, until the optimizer runs), ``optimizer``,

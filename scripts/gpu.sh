@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 16's checks on a machine with a GPU, each stage's log (and JSON) under $OUT
+# The GPU checks, on a machine with a GPU, each stage's log (and JSON) under $OUT
 # (default gpu-results/), so one or two sessions' calls cover them all:
 #
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh lane      # the CUDA test lane (scripts/test.sh)
-#   FUNSHARD_PY=python3 bash scripts/gpu.sh single    # issue 16's table: small and large, fp32, bf16
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh single    # one-GPU table: small and large, fp32, bf16
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh floor     # host time: plain, module hooks, lean
 #                                                     # stand-ins, funshard (benchmarks/host_floor.py)
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh bench     # the default benchmark at world 1, with
@@ -12,7 +12,7 @@
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh all       # every stage, in that order
 #
 # $FUNSHARD_PY: the GPU machine's interpreter (torch with CUDA). What it lacks of optree,
-# pytest and hypothesis comes from wheels in .whl/ (carried; see README, "Running on GPUs"):
+# pytest and hypothesis comes from wheels in .whl/ (carried; see docs/gpus.md):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 -d .whl optree pytest pluggy \
 #     iniconfig packaging hypothesis attrs sortedcontainers

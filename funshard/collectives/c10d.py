@@ -1,4 +1,5 @@
-"""The backend's own collectives (NCCL on GPUs, gloo when chosen): one flat buffer each way.
+"""The backend's own collectives (NCCL on GPUs, gloo on CPUs), the default transport: one
+flat buffer each way.
 
 The all-gather copies every local shard into this rank's segment of one flat byte buffer
 (in place: the input is the output's own segment, so no separate input lives while the
@@ -20,8 +21,8 @@ process group keeps a collective's tensors from reuse until it is done (it holds
 until the wait, or records them on its stream, as the torch build chooses). Every
 collective the step launches is waited (a prefetch nobody used too, when the run
 finishes) before its buffers are dropped or resized, so the caching allocator reuses them
-only after the device is done with them. Left to show on a GPU: a profile of the overlap
-(issue 16).
+only after the device is done with them. Not yet measured on a GPU: a profile of the
+overlap (``benchmarks/overlap.py`` sums one).
 """
 
 from __future__ import annotations

@@ -181,8 +181,14 @@ def muon(lr=1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: b
     """``torch.optim.Muon`` on the 2-D leaves, ``other`` (AdamW) on the rest, on shards.
 
     Args:
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
-            as ``torch.optim.Muon`` (``lr`` may be a schedule ``step -> lr``).
+        lr: as ``torch.optim.Muon``'s, or a schedule ``step -> lr``.
+        weight_decay: as ``torch.optim.Muon``'s.
+        momentum: as ``torch.optim.Muon``'s.
+        nesterov: as ``torch.optim.Muon``'s.
+        ns_coefficients: as ``torch.optim.Muon``'s (the Newton-Schulz polynomial's a, b, c).
+        eps: as ``torch.optim.Muon``'s.
+        ns_steps: as ``torch.optim.Muon``'s (Newton-Schulz iterations).
+        adjust_lr_fn: as ``torch.optim.Muon``'s (``"original"`` or ``"match_rms_adamw"``).
         other: the rule for leaves that are not Muon's (embeddings, norms, biases); default
             ``adamw(3e-4, weight_decay=0.01)``, as torch's Muon documentation advises.
         matrices: ``fqn -> bool`` choosing which 2-D leaves Muon takes (default: all of them;

@@ -17,9 +17,9 @@ freed under a reader). Autograd's saved copies of a bound leaf are detached by t
 hook (:mod:`.saved`), so autograd never holds the object's own tensor.
 
 Why, measured (2026-11-23, this 2-core CPU, world of one, thread CPU time per step, median
-of 100): the previous mechanism ran *every* op that touches a parameter through
+of 100): the alternative runs *every* op that touches a parameter through
 ``__torch_function__`` (optree flatten/unflatten of its arguments). On a loss with 150 such
-ops (a 50-step recurrence over two weights) the step took 2.29-2.30x the plain step with it,
+ops (a 50-step recurrence over two weights) the step takes 2.29-2.30x the plain step with it,
 1.42-1.48x with binding; on a tiny 8-block GPT (about 6 such ops per block) both were
 1.78-1.87x (the rest is the step's per-group work, not per op). And only binding gives
 custom Functions, compiled code and recomputation a plain tensor.
