@@ -47,18 +47,16 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
         path: a checkpoint directory (e.g. from :func:`latest`), or a directory of
             ``step_<n>`` checkpoints, whose newest complete one is loaded. ``None`` (what
             ``latest`` returns for a directory without one) raises "no checkpoint".
-        like: a tree of the same structure (e.g. ``step.init(params)``); its values are not
-            used and are not modified.
+        like: a tree of the same structure (e.g. ``step.init(params)``); its values are
+            neither used nor modified.
         verify: check CRC32s (reads every file once more, split over the ranks).
     Returns:
         a new tree like ``like`` (the saved ``step`` included).
     Raises:
         CheckpointError: no checkpoint, or a missing, incomplete, corrupted or unreadable one.
-        ValueError: the checkpoint's keys, shapes or dtypes differ from ``like``'s, or ranks
-            were given different arguments.
-        CollectiveTimeout: another rank did not call load (e.g. a load under
-            ``if rank == 0:``), or did not answer, within the process group's timeout;
-            the message names the ranks and their calls.
+        ValueError: keys, shapes or dtypes differ from ``like``'s, or the ranks' arguments do.
+        CollectiveTimeout: another rank did not call load (``if rank == 0:``) or answer
+            within the process group's timeout; the message names the ranks and their calls.
 
     Example: ``state = load("ckpt/step_000100", like=step.init(fs.shard(params, mesh)))``.
     """
@@ -69,12 +67,11 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     # every rank, before any collective: a load on some ranks only is a clear error
     calls.enter("checkpoint.load", f"load from {real or path!r}")
     err = err or check_flag("load", "verify", verify)
-    where = None
+    where, meta = None, None
     if err is None:
         real, err = _newest_in(real)
     if err is None:
         where, err = _prepare_load(real, like_sd, _rank(), _world(), verify, later)
-    meta = None
     if err is None:  # DCP's metadata pickle, read through an allowlist (.trust)
         try:
             meta = read_metadata(os.path.join(where, ".metadata"))

@@ -59,14 +59,12 @@ def save(path: str | os.PathLike, state: Tree, *, async_save: bool = False,
         path: the checkpoint directory, e.g. ``ckpt/step_000100``; replaced if it exists.
         state: a TrainState, params tree or optimizer state (DTensors, tensors, scalars).
         async_save: snapshot the local shards to CPU memory, return at once and write in a
-            background thread (its own gloo group, with the default group's timeout),
-            overlapping the next steps.
+            background thread (own gloo group, default timeout) during the next steps.
         keep: after the commit, rank 0 keeps only the newest ``keep`` complete ``step_<n>``
             checkpoints next to ``path`` (see :func:`prune`).
     Returns:
         ``path`` as a str; with ``async_save`` a ``concurrent.futures.Future`` whose
-        ``result()`` is the path once the checkpoint is durable and visible (it raises if
-        the save failed).
+        ``result()`` is the path once the checkpoint is durable and visible, or raises.
     Raises:
         ValueError, TypeError: bad or differing arguments (on every rank; nothing written).
         CheckpointError: a rank's write failed (the message names the rank, the path and the
