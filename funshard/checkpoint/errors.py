@@ -21,7 +21,7 @@ except ImportError:  # not on Windows
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .._ranks import _timeout
-from ..collectives import CollectiveTimeout, failures
+from ..collectives import CollectiveTimeout, calls, failures
 
 
 class CheckpointError(RuntimeError):
@@ -98,7 +98,7 @@ def peers(what: str, op: str, rank: int, pg=None):
         failed = failures.explain(e, f"{op}'s collectives")
         if failed is not None:  # another rank's exception: raise that
             raise failed from e
-        text, differ = str(e).strip()[:300], failures.calls_differ(
+        text, differ = str(e).strip()[:300], calls.differ(
             f"{op}'s collectives", wait=1.5 if "time" in str(e).lower() else 0.2)
         if "time" not in text.lower():
             raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "

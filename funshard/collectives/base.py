@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
 from ..mesh import mesh_str
-from . import failures
-from .failures import RankFailed
+from . import calls, failures
+from .failures import CollectiveTimeout, RankFailed
 
 TRANSPORTS = ("c10d", "p2p", "cma")
 
@@ -57,10 +57,6 @@ def force_collectives(on: bool = True):
         _FORCED[0] = before
 
 
-class CollectiveTimeout(TimeoutError):
-    """A collective did not complete within the process group's timeout."""
-
-
 @contextlib.contextmanager
 def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
     """Turn a backend's failure into an error that says what happened: :class:`RankFailed`
@@ -77,7 +73,7 @@ def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
         failed = failures.explain(e, where)
         if failed is not None:
             raise failed from e
-        text, differ = str(e), failures.calls_differ(
+        text, differ = str(e), calls.differ(
             where, wait=1.5 if "time" in str(e).lower() else 0.2)
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise failures.PeerLost(

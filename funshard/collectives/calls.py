@@ -35,8 +35,7 @@ import torch.distributed as dist
 
 from .._ranks import _timeout
 from . import failures
-from .base import CollectiveTimeout
-from .failures import PREFIX, _key, _store
+from .failures import PREFIX, CollectiveTimeout, _key, _store
 
 GRACE = 5.0  # seconds past the timeout a rank that entered waits for rank 0's verdict
 FRESH = 60.0  # an entry older than the timeout by more is an earlier incident's

@@ -365,5 +365,10 @@ def positions() -> dict[str, tuple[int, int]]:
             for pg, link in list(_LINKS.items()) if link is not None}
 
 
+# a call's position (failures.position) counts this rank's exchanges on each link
+failures.POSITIONS.append(
+    lambda: {f"link {name}": int(posted) for name, (posted, _) in positions().items()})
+
+
 def available(pg) -> bool:
     return pg is not None and link_of(pg) is not None

@@ -34,8 +34,9 @@ later call raises :class:`OutOfStep`, naming the first error. A rank waits up to
 ``SETTLE_WAIT`` seconds for its peers' records; each rank keeps its last four posted.
 
 Ranks that make different calls (a step on one, a save on the other) block each other until
-the process-group timeout; then each posts where it was (:func:`calls_differ`) and the
-timeout error names every rank's call. A checkpoint call waits for every rank to enter it
+the process-group timeout; then each posts where it was
+(:func:`funshard.collectives.calls.differ`) and the timeout error names every rank's call.
+A checkpoint call waits for every rank to enter it
 before its first collective (:mod:`funshard.collectives.calls`), so one made on some ranks
 only fails by name on every rank instead of pairing its collectives with a step's. A step
 also compares its gather order in the metrics all-reduce it makes anyway
@@ -59,6 +60,10 @@ PREFIX = "funshard/"
 # the process group's own failures (feature-detected): a peer timed out, died or hung up
 BACKEND_ERRORS = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError",
                                                   "DistStoreError") if hasattr(dist, n))
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete within the process group's timeout."""
 
 
 class RankFailed(RuntimeError):
@@ -169,8 +174,8 @@ def forget() -> None:
 
 def _peer_caused(e: BaseException) -> bool:
     """Another rank's failure, a failed collective, an interrupt: never raised alike."""
-    return isinstance(e, (RankFailed, OutOfStep, PeerLost, KeyboardInterrupt, *BACKEND_ERRORS)
-                      ) or any(k.__name__ == "CollectiveTimeout" for k in type(e).__mro__)
+    return isinstance(e, (RankFailed, OutOfStep, PeerLost, CollectiveTimeout,
+                          KeyboardInterrupt, *BACKEND_ERRORS))
 
 
 SETTLE_WAIT = 5.0  # seconds a rank waits for its peers' records of a call that raised
@@ -242,7 +247,6 @@ def _history(store, r: int) -> list[dict]:
 def position() -> dict[str, int]:
     """The collectives this rank has issued, per process group (c10d's sequence numbers,
     feature-detected) and direct link; a call adds alike to every rank's counts."""
-    from . import cma_link
     out: dict[str, int] = {}
     c10d = dist.distributed_c10d
     for pg, name in list(getattr(getattr(c10d, "_world", None), "pg_names", {}).items()):
@@ -253,9 +257,14 @@ def position() -> dict[str, int]:
                    else {pg: ""})
             for b, dev in per.items():
                 out[f"pg {name}{dev}"] = int(b._get_sequence_number_for_group())
-    for name, (posted, _) in cma_link.positions().items():
-        out[f"link {name}"] = int(posted)
+    for more in POSITIONS:  # the direct transports' links (cma_link adds its own)
+        out.update(more())
     return out
+
+
+# functions giving more positions ``{name: exchanges issued}`` for :func:`position`: a
+# transport with counts of its own adds one when it is imported
+POSITIONS: list = []
 
 
 def counted(name: str):
@@ -354,10 +363,3 @@ def is_comm_failure(e: BaseException) -> bool:
         w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
                             "broken pipe", "gloo"))
 
-
-def calls_differ(where: str, wait: float = 1.5) -> str:
-    """A collective failed here without a posted error (a timeout, a peer gone): if the
-    ranks are in different calls, the sentence that says which rank was in which call
-    (:func:`funshard.collectives.calls.differ`)."""
-    from .calls import differ
-    return differ(where, wait)

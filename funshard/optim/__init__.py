@@ -7,7 +7,9 @@ local shards. State is DTensors sharded like the params (``fs.state_dict``, ``fs
 
 Modules: ``base`` (the types, [Note: pending updates]), ``apply`` (transformation ->
 optimizer), ``transforms`` (elementwise pieces), ``clip`` (global norm, finite check),
-``combine`` (chain, masked, multi_transform), ``schedules``, ``alias`` (sgd, adam, adamw).
+``measured`` (what the step measured, for clip), ``with_policy`` (the Policy's clip and skip
+in front), ``combine`` (chain, masked, multi_transform), ``schedules``, ``alias`` (sgd, adam,
+adamw).
 """
 
 from .alias import adam, adamw, sgd

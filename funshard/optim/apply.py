@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .measured import rebind
 from .base import (Delta, FusedAdam, GradientTransformation, Optimizer, Tree, as_delta, chunks,
                    dens, flatten, group_by, locals_of, path_str, unflatten)
 
@@ -54,8 +55,7 @@ def deltas_of(grads: Tree, params: Tree, step: int):
     deltas = []
     for path, p, g in zip(p_paths, p_leaves, g_leaves):
         deltas.append(None if g is None or p is None else Delta(_grad_local(path, p, g)))
-    from .clip import rebind  # the step's measured norm holds for dtype-converted grads
-    rebind(g_leaves, deltas)
+    rebind(g_leaves, deltas)  # the step's measured norm holds for dtype-converted grads
     return spec, p_paths, p_leaves, deltas
 
 

@@ -8,19 +8,16 @@ updates of its own.
 
 [Note: the step's norm] ``fs.train_step`` all-reduces the gradient norm with the loss, once,
 for its metrics; ``Policy(clip_norm=, skip_nonfinite=)`` put these two transformations in
-front of the optimizer (:func:`with_policy`). So that they need no second all-reduce, the step
-states what it measured (:func:`measured`): while that holds, a transformation given exactly
-the step's gradients (each leaf a plain update of the step's own tensor) takes the norm and
-the finite check from it; any other updates are measured here.
+front of the optimizer (:func:`funshard.optim.with_policy.with_policy`). So that they need no
+second all-reduce, the step states what it measured (:func:`funshard.optim.measured.measured`):
+while that holds, a transformation given exactly the step's gradients (each leaf a plain
+update of the step's own tensor) takes the norm and the finite check from it; any other
+updates are measured here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,61 +27,9 @@ from .. import collectives
 from ..layout import layout_of
 from ..mesh import process_groups, replicas
 from ..reduce import local_sq_norm
-from .base import (Delta, EmptyState, GradientTransformation, Optimizer, Tree, as_delta, flatten,
-                   materialize, path_str, unflatten)
-
-
-@dataclasses.dataclass
-class Measured:
-    """What the step measured (see [Note: the step's norm]): its gradient tensors by leaf
-    position, their global norm, whether they and the loss are finite; ``dropped`` records
-    whether :func:`apply_if_finite` dropped them."""
-
-    grads: list  # per leaf: the step's local gradient tensor, or None
-    norm: float
-    finite: bool
-    dropped: bool = False
-
-
-_MEASURED: contextvars.ContextVar[Optional[Measured]] = contextvars.ContextVar(
-    "funshard_optim_measured", default=None)
-
-
-@contextlib.contextmanager
-def measured(grads: Tree, norm: float, finite: bool) -> Iterator[Measured]:
-    """While inside, updates that are exactly the tree ``grads`` have global norm ``norm`` and
-    are finite iff ``finite`` (the step's own all-reduce; no second one)."""
-    m = Measured(flatten(grads)[1], norm, finite)
-    token = _MEASURED.set(m)
-    try:
-        yield m
-    finally:
-        _MEASURED.reset(token)
-
-
-def rebind(grads: list, deltas: list) -> None:
-    """``deltas[i]`` is the step's ``grads[i]`` converted to its parameter's dtype: the step's
-    measurement holds for it too (called by ``apply.deltas_of``)."""
-    m = _MEASURED.get()
-    if m is None or len(m.grads) != len(grads):
-        return
-    for i, (g, d) in enumerate(zip(grads, deltas)):
-        if d is not None and g is not None and m.grads[i] is g and d.num is not g:
-            m.grads[i] = d.num
-
-
-def _known(u_leaves: list) -> Optional[Measured]:
-    """The step's measurement, when ``u_leaves`` are exactly its gradients."""
-    m = _MEASURED.get()
-    if m is None or len(m.grads) != len(u_leaves):
-        return None
-    for u, g in zip(u_leaves, m.grads):
-        if u is None and g is None:
-            continue
-        d = u if isinstance(u, Delta) else None
-        if g is None or d is None or not d.plain or d.num is not g:
-            return None
-    return m
+from .base import (EmptyState, GradientTransformation, Tree, as_delta, flatten, materialize,
+                   path_str, unflatten)
+from .measured import known as measured_for
 
 
 def _mesh_of(leaves: list):
@@ -113,7 +58,7 @@ def global_norm(updates: Tree, params: Tree) -> float:
     """The L2 norm of the updates over all ranks, each element counted once (float64 sums)."""
     paths, p_leaves, _ = flatten(params)
     u_leaves = flatten(updates)[1]
-    known = _known(u_leaves)
+    known = measured_for(u_leaves)
     if known is not None:
         return known.norm
     mesh = _mesh_of(p_leaves)
@@ -167,7 +112,7 @@ def all_finite(updates: Tree, params: Tree) -> bool:
     """Whether every update on every rank is finite (one all-reduce)."""
     p_leaves = flatten(params)[1]
     u_leaves = flatten(updates)[1]
-    known = _known(u_leaves)
+    known = measured_for(u_leaves)
     if known is not None:
         return known.finite
     bad = torch.zeros((), dtype=torch.float32, device=_device(p_leaves))
@@ -189,42 +134,10 @@ def apply_if_finite() -> GradientTransformation:
     def update(updates: Tree, state: Tree, params: Tree, *, step: int):
         if all_finite(updates, params):
             return updates, state
-        known = _known(flatten(updates)[1])
+        known = measured_for(flatten(updates)[1])
         if known is not None:
             known.dropped = True
         _, leaves, spec = flatten(updates)
         return unflatten(spec, [None] * len(leaves)), state
 
     return GradientTransformation(lambda params: EmptyState(), update, True)
-
-
-def with_policy(optimizer: Optimizer, *, clip_norm: Optional[float] = None,
-                skip_nonfinite: bool = False) -> Optimizer:
-    """``optimizer`` behind ``apply_if_finite()`` and ``clip_by_global_norm(clip_norm)``, in that
-    order (what ``fs.Policy(skip_nonfinite=, clip_norm=)`` mean); its state is unchanged.
-
-    An fs.optim optimizer (a chain) takes them into its chain, so the clipping factor stays
-    pending; another one (``from_torch``) gets the clipped gradients materialized, one leaf
-    at a time, and is not called on a dropped step.
-    """
-    front = ([apply_if_finite()] if skip_nonfinite else []) + (
-        [clip_by_global_norm(clip_norm)] if clip_norm is not None else [])
-    if not front:
-        return optimizer
-    if optimizer.transform is not None:
-        from .combine import chain
-        return chain(*front, optimizer.transform)
-
-    def update(grads: Tree, state: Tree, params: Tree, *, step: int):
-        from .apply import deltas_of
-        spec, _, p_leaves, deltas = deltas_of(grads, params, step)
-        out = unflatten(spec, deltas)
-        for t in front:
-            out, _ = t.update(out, EmptyState(), params, step=step)
-        leaves = flatten(out)[1]
-        if all(u is None for u in leaves) and any(d is not None for d in deltas):
-            return params, state  # dropped: the optimizer does not run
-        clipped = [None if u is None else materialize(u, p) for u, p in zip(leaves, p_leaves)]
-        return optimizer.update(unflatten(spec, clipped), state, params, step=step)
-
-    return Optimizer(optimizer.init, update)

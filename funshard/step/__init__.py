@@ -1,7 +1,7 @@
 """The sharded training step: ``train_step(loss_fn, optimizer, policy=Policy())``.
 
-- :mod:`.api`: Policy, TrainState, TrainStep, train_step; :mod:`.evaluate`: eval_step (forward
-  only, the same gather schedule);
+- :mod:`.policy`: Policy; :mod:`.api`: TrainState, TrainStep, train_step;
+  :mod:`.evaluate`: eval_step (forward only, the same gather schedule);
 - :mod:`.schedule`: the order groups are gathered, freed and reduced (pure data, shared
   with ``fs.plan``); :mod:`.params`: a tree's leaves in communication groups;
 - :mod:`.group`: a group's states and their allowed transitions ([Note: a group's life]);
@@ -16,13 +16,14 @@
   :mod:`.loss`: what loss_fn returns; :mod:`.batches`: micro-batches.
 """
 
-from .api import Policy, TrainState, TrainStep, train_step
+from .api import TrainState, TrainStep, train_step
 from .batches import MicroBatches
 from .call import call
 from .evaluate import EvalStep, eval_step
 from .group import ALLOWED, Group, GroupState, IllegalTransition
 from .loss import Mean
 from .params import ParamGroups
+from .policy import Policy
 from .run import Run
 from .scaling import LossScale
 from .schedule import (GroupInfo, Schedule, block_groups, default_group, group_names,

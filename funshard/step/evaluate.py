@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from .. import collectives, pytree
 from . import buffers as buffers_
 from . import lazy
-from .api import Policy, TrainState
+from .api import TrainState
+from .policy import Policy
 from .call import casting
 from .params import ParamGroups
 from .run import Run

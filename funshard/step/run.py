@@ -286,7 +286,8 @@ class Run:
 
             p.schedule = make_schedule(self.seen[False], self.seen[True],
                                        reshard_after_forward=self.policy.reshard_after_forward,
-                                       kept_leaves=kept_leaves, gathers=not collectives.skips(p.world))
+                                       kept_leaves=kept_leaves,
+                                       gathers=not collectives.skips(p.world))
 
     def release(self) -> None:
         """Drop every tensor this run holds (see [Note: a group's life])."""

@@ -102,7 +102,7 @@ def list_groups(tree: Any, policy: Any = None) -> list[GroupInfo]:
         >>> for g in fs.list_groups(fs.params(model)):
         ...     print(g.name or "(rest)", len(g.leaves), g.nbytes)
     """
-    from .api import Policy
+    from .policy import Policy
 
     policy = Policy() if policy is None else policy
     paths, leaves, _ = pytree.flatten_with_path(tree)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import collectives, pytree
 from ..mesh import mesh_str
-from ..optim import clip as optim_clip
+from ..optim.measured import measured
 from ..reduce import first_nonfinite, local_sq_norm
 from . import agree, batches, scaling
 from . import loss as loss_
@@ -178,7 +178,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
     # the transforms take the norm and the finite check the metrics' all-reduce measured
     # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
-    with optim_clip.measured(grad_tree, norm, finite) as seen:
+    with measured(grad_tree, norm, finite) as seen:
         # the optimizer counts the updates it applied (see TrainState)
         new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
                                                  step=state.step - state.skipped)
