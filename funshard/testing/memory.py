@@ -78,7 +78,9 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
     """Every distinct storage on ``device`` that a Python tensor object holds, by ``_cdata``."""
     with warnings.catch_warnings():  # isinstance() touches deprecated torch attributes
         warnings.simplefilter("ignore")
-        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # a weak proxy (the compiler keeps some) whose object died raises on isinstance
+        objs = [o for o in gc.get_objects()
+                if not isinstance(o, weakref.ProxyTypes) and isinstance(o, torch.Tensor)]
     from ..step.lazy import LazyParam  # no storage; an op on one would gather
 
     from torch._subclasses.fake_tensor import FakeTensor  # a compiler's, no real memory
