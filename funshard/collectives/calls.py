@@ -41,6 +41,11 @@ GRACE = 5.0  # seconds past the timeout a rank that entered waits for rank 0's v
 FRESH = 60.0  # an entry older than the timeout by more is an earlier incident's
 
 
+def _limit() -> float:
+    """The process group's timeout in seconds (torch's default for gloo where unknown)."""
+    return _timeout() or 1800.0
+
+
 def enter(op: str, what: str) -> None:
     """Wait, without a collective, until every rank has entered ``op`` (``"checkpoint.save"``)
     as this rank's current funshard call; else raise :class:`.CollectiveTimeout` on the ranks
@@ -50,7 +55,7 @@ def enter(op: str, what: str) -> None:
     if store is None:
         return
     c, me = failures.CALLS, dist.get_rank()
-    limit = _timeout() or 1800.0  # torch's default for gloo
+    limit = _limit()
     mine = {"id": uuid.uuid4().hex[:12], "op": op, "what": c.what, "seq": c.seq,
             "at": time.time(), "text": what}
     end = time.monotonic() + limit
@@ -174,10 +179,11 @@ def differ(where: str, wait: float = 1.5, store=None) -> str:
     while len(seen) < world and time.monotonic() < end:
         for r in range(world):
             if r not in seen:
+                got = None
                 with contextlib.suppress(Exception):
-                    seen[r] = _posted(store, r, mine)
-                if seen.get(r) is None:
-                    seen.pop(r, None)
+                    got = _posted(store, r, mine)
+                if got is not None:
+                    seen[r] = got
         time.sleep(0.05)
     if all((s["seq"], s["what"]) == (mine["seq"], mine["what"]) for s in seen.values()):
         return ""
@@ -202,6 +208,6 @@ def _posted(store, r: int, mine: dict) -> dict | None:
             return rec
     entry = _entry(store, r)
     if (entry is not None and entry["seq"] == mine["seq"] and entry["what"] != mine["what"]
-            and abs(entry["at"] - mine["at"]) < (_timeout() or 1800.0) + FRESH):
+            and abs(entry["at"] - mine["at"]) < _limit() + FRESH):
         return {**entry, "where": "waiting for every rank to enter it"}
     return None
