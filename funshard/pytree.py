@@ -74,6 +74,17 @@ def tree_map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:
         return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
+def plain_map(fn: Callable, tree: Tree) -> Tree:
+    """``fn`` over the leaves of nested dicts, lists and tuples (named tuples too), in plain
+    Python: what a function ``torch.compile`` traces uses, where optree is opaque to it."""
+    if isinstance(tree, dict):
+        return {k: plain_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [plain_map(fn, v) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return fn(tree)
+
+
 def fqn(path: Path) -> str:
     """``('layers', 3, 'attn.wq')`` -> ``'layers.3.attn.wq'``; the root is ``'<root>'``."""
     return ".".join(str(k) for k in path) if path else "<root>"

@@ -188,8 +188,9 @@ def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups,
 
 
 def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
-           state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-    """One step of :func:`train_step` (``groups_for``: its per-tree cache)."""
+           state: TrainState, batch: Any, compiled=None) -> tuple[TrainState, dict]:
+    """One step of :func:`train_step` (``groups_for``: its per-tree cache; ``compiled``: its
+    :class:`~funshard.step.compiled.Compiled`, or None)."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                            "gradient can be computed; call it outside.")
@@ -205,8 +206,11 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
                            else ([], [], None))
     if bufs is not None and params.schedule is None and not direct:  # not init's state?
         buffers_.check_dtypes(params, state.buffers, where="train_step")
-    out = _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
-                         state.loss_scale)
+    def eager() -> update.Grads:
+        return _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
+                              state.loss_scale)
+
+    out = eager() if compiled is None else compiled.grads(params, leaves, bufs, batch, eager)
     new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
     if bufs is not None:
         if not metrics["skipped"]:  # a skipped step keeps the buffers too
@@ -218,7 +222,8 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
     return donations.remember(new_state, leaves), metrics
 
 
-def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> TrainStep:
+def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
+               compile: Any = False) -> TrainStep:
     """Compose ``loss_fn`` and ``optimizer`` into one sharded training step.
 
     Args:
@@ -228,6 +233,11 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
             :mod:`funshard.step.loss`).
         optimizer: an ``fs.optim`` optimizer (``init``, ``update``).
         policy: :class:`Policy`.
+        compile: True (or a dict of ``torch.compile``'s ``backend``, ``mode``, ``dynamic``,
+            ``options``, and ``fallback="eager"``) traces the loss, backward and every
+            group's collectives into one compiled program per batch signature, after one
+            eager step that learns the model (see :mod:`funshard.step.compiled`). Not yet
+            with ``accumulate``, ``loss_scale`` or a transport other than ``"c10d"``.
     Returns:
         :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
         (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).
@@ -247,6 +257,12 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         warnings.warn("train_step: Policy(param_dtype=torch.float16) without loss_scale: "
                       "gradients below 6e-8 round to zero in float16, silently; pass "
                       "loss_scale='dynamic' (torch's GradScaler's rule)", stacklevel=2)
+
+    compiled = None
+    if compile is not False:
+        from .compiled import Compiled  # torch.compile's machinery only when asked for
+
+        compiled = Compiled(loss_fn, policy, compile)
 
     def groups_for(params: Tree) -> tuple[ParamGroups, list]:
         return _groups_for(cache, policy, params)
@@ -269,6 +285,6 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy()) -> Tr
         # counted and, on an exception, posted for the other ranks (collectives.failures)
         with collectives.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
             return _apply(loss_fn, optimizer, policy, groups_for, donations, state,
-                          batch)
+                          batch, compiled)
 
     return TrainStep(init, apply)

@@ -57,6 +57,11 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     ``torch.func.functional_call(module, params, args, kwargs)``. Tied weights stay tied;
     parameters ``params`` does not name stay the module's own.
     """
+    program = _PROGRAM[0]
+    if program is not None:  # inside the compiled step's program (see in_program)
+        if program[0] is not None:
+            args, kwargs = pytree.plain_map(functools.partial(_cast, program[0]), (args, kwargs))
+        return torch.func.functional_call(module, params, args, kwargs)
     run = Run.current()
     # Policy(param_dtype=, cast_inputs=True): FSDP2's cast_forward_inputs. A step's run says
     # it (a recompute casts as its forward did); eval_step sets _CAST. (One context variable
@@ -67,6 +72,9 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
         args, kwargs = pytree.tree_map(functools.partial(_cast, dt), (args, kwargs))
     if run is None or run.backward:
         return torch.func.functional_call(module, params, args, kwargs)
+    seen = _SEEN.get()
+    if seen is not None and not any(m is module for m in seen):
+        seen.append(module)
     merged = _merged(params)
     before = run.installs.setdefault(id(module), merged)
     if before is not merged and (before.keys() != merged.keys() or any(
@@ -84,6 +92,39 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
 # the dtype fs.call casts floating-point inputs to while an eval_step's fn runs
 # (Policy(param_dtype=, cast_inputs=True)); None: no cast. A training step's run says it.
 _CAST: contextvars.ContextVar = contextvars.ContextVar("funshard_cast_inputs", default=None)
+
+
+# (the cast dtype or None,) while the compiled step's program runs, else None: a plain
+# global, which dynamo reads as a constant, where a context variable breaks its graph
+_PROGRAM: list = [None]
+
+
+@contextlib.contextmanager
+def in_program(policy):
+    """While inside, :func:`call` is ``functional_call`` with the policy's input cast: the
+    compiled step's program gathers at the module boundaries itself."""
+    before = _PROGRAM[0]
+    _PROGRAM[0] = (policy.param_dtype if policy.cast_inputs else None,)
+    try:
+        yield
+    finally:
+        _PROGRAM[0] = before
+
+
+# the modules a training step's loss_fn entered through fs.call, while a compiled step's
+# first (eager) step records them (see [Note: the compiled step's first step])
+_SEEN: contextvars.ContextVar = contextvars.ContextVar("funshard_seen", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """While inside, :func:`call` in a training step lists the modules it enters (yielded)."""
+    seen: list = []
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,89 @@
+"""The private torch the compiled step needs, found in one place and checked at import.
+
+``train_step(compile=True)`` traces the whole step into one program. What that takes from
+torch beyond its public API is looked up here, once, when funshard is imported: each name
+below is either found or recorded as missing, and :func:`require` raises, naming the torch
+version and every missing symbol, when a compiled step is made on a torch without them.
+The eager step needs none of this: importing funshard never fails for it.
+
+- ``torch.distributed._functional_collectives``: the traceable collectives (an all-gather
+  whose autograd is a reduce-scatter, an all-reduce, the wait), what the program issues;
+- ``torch.ops._c10d_functional``'s all-gather and wait overloads, which the checkpoint
+  policy marks for recomputation in backward;
+- ``torch._dynamo.config.trace_autograd_ops``: dynamo traces ``torch.autograd.grad`` into
+  the graph (the loss and its gradients one program);
+- ``torch._dynamo.exc``'s ``TorchDynamoException`` and ``RecompileError``: what dynamo
+  raises when a ``loss_fn`` cannot be traced whole, and when a program would be compiled
+  again;
+- ``torch.nn.utils.stateless._reparametrize_module``: the tensors of a group put into its
+  module for one call (what ``torch.func.functional_call`` does, and dynamo knows).
+
+Newer torch names the autograd all-gather ``all_gather_single_autograd``; older releases
+``all_gather_tensor_autograd``: the first found is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MISSING: list[str] = []
+
+
+def _find(path: str, *names: str):
+    """The first of ``names`` found on the object at ``path`` (dotted), or None (recorded)."""
+    obj = torch
+    try:
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part)
+        for name in names:
+            if hasattr(obj, name):
+                return getattr(obj, name)
+    except (AttributeError, ImportError):
+        pass
+    MISSING.append(f"{path}.{'|'.join(names)}")
+    return None
+
+
+def _import(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        MISSING.append(name)
+        return None
+
+
+_fc = _import("torch.distributed._functional_collectives")
+_import("torch._dynamo")
+_import("torch.nn.utils.stateless")
+all_gather = _find("torch.distributed._functional_collectives", "all_gather_single_autograd",
+                   "all_gather_tensor_autograd")
+all_reduce = _find("torch.distributed._functional_collectives", "all_reduce")
+wait_tensor = _find("torch.distributed._functional_collectives", "wait_tensor")
+reparametrize = _find("torch.nn.utils.stateless", "_reparametrize_module")
+DynamoError = _find("torch._dynamo.exc", "TorchDynamoException")
+RecompileError = _find("torch._dynamo.exc", "RecompileError")
+_dynamo_config = _find("torch._dynamo", "config")
+if _dynamo_config is not None and not hasattr(_dynamo_config, "trace_autograd_ops"):
+    MISSING.append("torch._dynamo.config.trace_autograd_ops")
+_ops = getattr(torch.ops, "_c10d_functional", None)
+try:
+    GATHER_OPS = (_ops.all_gather_into_tensor.default, _ops.wait_tensor.default)
+except (AttributeError, RuntimeError):
+    GATHER_OPS = ()
+    MISSING.append("torch.ops._c10d_functional.{all_gather_into_tensor,wait_tensor}")
+
+
+def require(what: str) -> None:
+    """Raise, naming the torch version and the missing symbols, if any is missing."""
+    if MISSING:
+        raise RuntimeError(
+            f"{what} needs torch internals this torch {torch.__version__} lacks: "
+            f"{', '.join(MISSING)}. Use the eager step (compile=False), or a torch with them "
+            "(2.11 or newer).")
+
+
+def tracing_autograd():
+    """A context in which dynamo traces ``torch.autograd.grad`` into the graph."""
+    return _dynamo_config.patch(trace_autograd_ops=True)

@@ -1,0 +1,235 @@
+"""The compiled step's program: every group's all-gather, ``loss_fn``, backward and every
+group's reduction, one function that ``torch.compile`` traces whole.
+
+[Note: the step as one program] A :class:`Program` is a function of (this rank's shards,
+the buffers, the batch) returning (loss, the ``fs.Mean`` count, aux, the reduced gradient
+shards). Traced with ``fullgraph=True`` and ``torch.autograd.grad`` in the graph, it is one
+inductor program per step: no host work per op, no graph break. How the pieces map:
+
+- **A group's gather** is one functional all-gather of the group's local shards packed in
+  one flat buffer (each leaf's ``torch.chunk`` rows padded to the same count on every rank,
+  cast to the compute dtype first), then each leaf cut out of the result. Its autograd is
+  one reduce-scatter of the group's flat gradient: FULL_SHARD's collectives by
+  construction, one per group and direction, without a bucketing pass. (Measured against a
+  DTensor gather per leaf, which needs a compiler pass to bucket, in
+  ``benchmarks/results/*compiled-candidates*``: this form was faster and kept the memory
+  bound.)
+- **Where it is gathered.** At the boundary of the group's module, as ``fs.call`` enters
+  it: the step puts a forward in front of each group module for the duration of the call
+  (the host does this around the program, so nothing stays on the module), which gathers
+  the group and runs the module's own forward with the gathered tensors installed. Under
+  FULL_SHARD that forward is a ``torch.utils.checkpoint`` region whose policy marks the
+  gather, its packing and every view of it ``MUST_RECOMPUTE`` and the module's compute
+  ``MUST_SAVE``: the compiler gathers the group again in backward, where the gradient needs
+  it, and keeps nothing gathered from forward to backward (AOTAutograd's remat pass for a
+  forward-loss-backward graph; SimpleFSDP marks its gathers the same way). SHARD_GRAD_OP has
+  no region: the gathered tensors stay for backward (one all-gather per group).
+  ``Policy(checkpoint=)`` turns the region's compute to ``PREFER_RECOMPUTE``.
+- **Parameters outside every group module** (the embedding, the final norm, the head, a
+  group whose name is not a module ``fs.call`` enters) are gathered at the program's start,
+  in the tree ``loss_fn`` receives, and stay gathered through backward, as FSDP2 keeps its
+  root module's. A group module's leaves are in that tree as their shards, DTensors (no
+  collective): ``fs.call`` installs them and the module's forward replaces them with the
+  gathered tensors. Read anywhere else (by ``loss_fn`` itself, by a submodule called
+  without its group module), they compute as DTensors: the global values, or an error
+  where they meet plain tensors, never a shard taken for the whole. (A gather there
+  instead, left unused, is not removed: inductor keeps a collective whose result is
+  waited on.)
+- **The reductions.** The reduce-scatter comes from autograd, summed over ranks; on a 2-D
+  mesh one all-reduce over ``"replicate"`` follows, and replicated leaves (scalars) are
+  all-reduced over every data-parallel rank; the mean divides by the data-parallel world.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from .. import _compat, pytree
+from ..mesh import REPLICATE, SHARD
+from . import loss as loss_
+from .params import ParamGroups
+
+# what the region recomputes besides the gather's own ops: the packing and the cutting out
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default,
+           torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default,
+           torch.ops.aten._to_copy.default)
+
+
+def _policy(gather: CheckpointPolicy, compute: CheckpointPolicy, ctx, op, *args,
+            **kwargs) -> CheckpointPolicy:
+    """A group region's rule: ``gather`` for its gather's ops (and the views of it),
+    ``compute`` for the rest."""
+    if op in _compat.GATHER_OPS or op in _COPIES or op.is_view:
+        return gather
+    return compute
+
+
+def context_fn(regather: bool, recompute: bool):
+    """The selective-checkpoint contexts of a group region: ``regather`` the group in
+    backward (FULL_SHARD), ``recompute`` its compute (``Policy(checkpoint=)``)."""
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
+    rule = functools.partial(_policy, again if regather else save,
+                             CheckpointPolicy.PREFER_RECOMPUTE if recompute else save)
+    return functools.partial(create_selective_checkpoint_contexts, rule)
+
+
+class Bucket(NamedTuple):
+    """Leaves of one group gathered together: sharded, of one gather dtype."""
+
+    idx: tuple[int, ...]  # tree positions
+    dtype: torch.dtype  # what moves
+    cast: torch.dtype  # what the leaves compute in (after the gather)
+
+
+def buckets_of(params: ParamGroups, policy, gi: int) -> list[Bucket]:
+    """Group ``gi``'s sharded leaves by the dtype they are gathered in. They move in the
+    compute dtype, unless ``reduce_dtype`` asks the gradient to be reduced in the
+    parameters' own dtype: then they move in it and are cast after the gather (the
+    reduce-scatter of their gradient is then in that dtype)."""
+    out: dict[tuple, list[int]] = {}
+    for i in params.members[gi]:
+        lay, dt = params.layouts[i], params.dtypes[i]
+        if not lay.sharded:
+            continue
+        rd = policy.reduce_dtype
+        move = dt if rd is None or rd == dt or not dt.is_floating_point else lay.dtype
+        if rd is not None and dt.is_floating_point and rd not in (dt, lay.dtype):
+            raise NotImplementedError(
+                f"train_step(compile=True): reduce_dtype={rd} is neither the compute dtype "
+                f"({dt}) nor the dtype ({lay.dtype}) of {lay.path!r}; the compiled step "
+                "reduces in one of them. Use compile=False for this policy.")
+        out.setdefault((move, dt), []).append(i)
+    return [Bucket(tuple(idx), move, dt) for (move, dt), idx in out.items()]
+
+
+class Program:
+    """The step's function of (shards, buffers, batch), traced once per batch signature.
+
+    ``blocks``: group index -> (module, its forward) for the groups gathered at a module's
+    boundary; ``leaves`` is set while the program runs (the group forwards read it)."""
+
+    def __init__(self, loss_fn, params: ParamGroups, policy, blocks: dict, like: list):
+        self.loss_fn, self.params, self.policy, self.blocks = loss_fn, params, policy, blocks
+        # (mesh, placements) of each leaf: a group module's leaves reach loss_fn as DTensors
+        self.like = [(d.device_mesh, d.placements) for d in like]
+        self.buckets = [buckets_of(params, policy, gi) for gi in range(len(params.members))]
+        mesh = params.mesh
+        names = mesh.mesh_dim_names
+        self.shard_group = mesh.get_group(names.index(SHARD)).group_name
+        self.replicate_group = (mesh.get_group(names.index(REPLICATE)).group_name
+                                if REPLICATE in names else None)
+        self.world = mesh.size()
+        self.trainable = [i for i, t in enumerate(params.trainable) if t]
+        check, again = policy.checkpoint, policy.reshard_after_forward
+        chosen = {gi: check is True or (callable(check) and bool(check(params.names[gi])))
+                  for gi in blocks}
+        self.regions = {gi: context_fn(again, c) for gi, c in chosen.items() if again or c}
+        self.leaves: list | None = None
+        # the tree's structure as plain containers of leaf positions: dynamo traces their
+        # construction, not optree's (a spec made outside the trace is opaque to it)
+        self.template = pytree.plain_map(
+            _position, pytree.unflatten(params.spec, range(len(params.layouts))))
+
+    def gather(self, gi: int, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Group ``gi``'s full tensors from its local shards (``local``: position -> shard)."""
+        lays = self.params.layouts
+        full = {i: local[i] for i in local if not lays[i].sharded}  # replicated: as they are
+        for b in self.buckets[gi]:
+            parts = []
+            for i in b.idx:
+                flat = local[i].reshape(-1)
+                pad = lays[i].padded_numel - flat.numel()
+                parts.append(F.pad(flat, (0, pad)) if pad else flat)
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            got = _compat.all_gather(flat.to(b.dtype), 0, self.shard_group)
+            got = got.view(lays[b.idx[0]].world, -1)
+            at = 0
+            for i in b.idx:
+                lay, n = lays[i], lays[i].padded_numel
+                t = got[:, at:at + n].reshape(lay.padded_shape)[:lay.rows]
+                full[i], at = (t if b.cast == b.dtype else t.to(b.cast)), at + n
+        return full
+
+    def block(self, gi: int, *args, **kwargs):
+        """Group ``gi``'s module forward, its group gathered at the boundary."""
+        module, forward = self.blocks[gi]
+        local = {i: self.leaves[i] for i in self.params.members[gi]}
+        run = functools.partial(self._gathered_forward, gi, module, forward)
+        if gi in self.regions:
+            return checkpoint(run, local, *args, use_reentrant=False,
+                              context_fn=self.regions[gi], **kwargs)
+        return run(local, *args, **kwargs)
+
+    def _gathered_forward(self, gi: int, module, forward, local: dict, *args, **kwargs):
+        full = self.gather(gi, local)
+        prefix = len(self.params.names[gi]) + 1
+        lays = self.params.layouts
+        with _compat.reparametrize(module, {lays[i].path[prefix:]: t for i, t in full.items()},
+                                   tie_weights=True):
+            return forward(*args, **kwargs)
+
+    def __call__(self, shards: list, bufs: Any, batch: Any):
+        p = self.params
+        leaves = [s.detach().requires_grad_(True) if t else s.detach()
+                  for s, t in zip(shards, p.trainable)]
+        self.leaves = leaves
+        full: list = [None] * len(leaves)
+        for gi, idx in enumerate(p.members):
+            if gi in self.blocks:  # gathered at its module; here the shards, as DTensors
+                for i in idx:
+                    full[i] = DTensor.from_local(leaves[i], *self.like[i], run_check=False)
+            else:
+                for i, t in self.gather(gi, {i: leaves[i] for i in idx}).items():
+                    full[i] = t
+        tree = pytree.plain_map(lambda i: None if i is None else full[i], self.template)
+        loss, aux = loss_.loss_of(self.loss_fn(tree if bufs is None else (tree, bufs), batch))
+        self.leaves = None
+        value = loss_.value(loss)
+        grads = torch.autograd.grad(value, [leaves[i] for i in self.trainable],
+                                    allow_unused=True)
+        count = (loss_.count_of(loss, value.device) if isinstance(loss, loss_.Mean)
+                 else None)
+        aux = pytree.plain_map(_detached, aux)
+        return value.detach(), count, aux, self.reduce(list(grads))
+
+    def reduce(self, grads: list) -> list:
+        """The reduce-scattered sums as means over the data-parallel ranks: the replicate
+        all-reduce (2-D) and the replicated leaves' all-reduce, one per dtype."""
+        lays = self.params.layouts
+        pending: dict[tuple, list[int]] = {}
+        for j, (i, g) in enumerate(zip(self.trainable, grads)):
+            if g is None:
+                continue
+            groups = ((self.replicate_group,) if lays[i].sharded else
+                      (self.shard_group, self.replicate_group))
+            pending.setdefault((g.dtype, groups), []).append(j)
+        for (_, groups), js in pending.items():
+            flat = torch.cat([grads[j].reshape(-1) for j in js])
+            for name in groups:
+                if name is not None:
+                    flat = _compat.wait_tensor(_compat.all_reduce(flat, "sum", name))
+            at = 0
+            for j in js:
+                n = grads[j].numel()
+                grads[j], at = flat[at:at + n].view(grads[j].shape), at + n
+        return [g if g is None else g / self.world for g in grads]
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _position(x: Any) -> Any:
+    """A leaf of the template: a leaf's position, or None (an empty subtree)."""
+    if x is None or isinstance(x, int):
+        return x
+    raise NotImplementedError(
+        f"train_step(compile=True): the parameter tree holds a {type(x).__name__}; the "
+        "compiled step takes trees of dicts, lists and tuples. Use compile=False.")
