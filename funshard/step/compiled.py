@@ -33,7 +33,7 @@ import torch
 
 from .. import _compat, pytree
 from . import update
-from .call import in_program, recording
+from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
 
@@ -100,7 +100,8 @@ def _call_program(program, shards, bufs, batch):
 
 @contextlib.contextmanager
 def _patched(patches: list):
-    """Each group module's forward replaced for the duration of the call, then removed."""
+    """Each group module's forward replaced for the duration of the call, then restored as
+    ``Policy(checkpoint=)``'s wrappers are (:func:`funshard.step.call._restore`)."""
     done = []
     try:
         for module, forward in patches:
@@ -110,13 +111,7 @@ def _patched(patches: list):
         yield
     finally:
         for module, before in reversed(done):
-            if before is _NONE:
-                del module.forward
-            else:
-                module.forward = before
-
-
-_NONE = object()
+            _restore(module, before)
 
 
 class Compiled:
