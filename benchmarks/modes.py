@@ -7,6 +7,9 @@ mode's training step over a copy.
                                        extra row, labelled as such, never the comparison
     funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)
     funshard_full_compile / fsdp2_full_compile   torch.compile on (not by default)
+    funshard_full_compiled / _grad_op_compiled   fs.train_step(compile=True): the step as one
+                                       compiled program (not by default)
+    floor_compile                      the floor with ``model.compile()`` (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
     ddp                                DistributedDataParallel
@@ -45,12 +48,15 @@ MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "funshard_full_ac", "fsdp2_full_ac",
          # torch.compile: funshard's loss_fn / FSDP2's blocks (block.compile() before
          # fully_shard), with Config.compile_backend
-         "funshard_full_compile", "fsdp2_full_compile")
+         "funshard_full_compile", "fsdp2_full_compile",
+         # train_step(compile=True) (Config.compile_backend); the floor with model.compile()
+         "funshard_full_compiled", "funshard_grad_op_compiled", "floor_compile")
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
         "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac",
         "funshard_full_compile": "fsdp2_full_compile", "funshard_full_cma": "fsdp2_full",
-        "funshard_full_p2p": "fsdp2_full"}
+        "funshard_full_p2p": "fsdp2_full", "funshard_full_compiled": "fsdp2_full_compile",
+        "funshard_grad_op_compiled": "fsdp2_full_compile"}
 # the transport each mode's fs.train_step uses: the backend's collectives unless named
 EXTRA_TRANSPORTS = {"funshard_full_cma": "cma", "funshard_full_p2p": "p2p"}
 
@@ -160,7 +166,7 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
     """One mode's training step over a private copy of ``base``."""
     scaled = cfg.precision == "fp16"  # each mode with its own GradScaler's rule
     if name.startswith("funshard"):
-        raf = not name.endswith("grad_op")
+        raf = not name.removesuffix("_compiled").endswith("grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
         params = shard(dict(base.named_parameters()), mesh)  # local shards are copies
         with torch.device("meta"):  # fs.call needs only the structure
@@ -175,7 +181,9 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
                                         prefetch=not name.endswith("noprefetch"),
                                         checkpoint=name.endswith("_ac"), **mixed(cfg),
                                         transport=transport_of(name),
-                                        loss_scale="dynamic" if scaled else None))
+                                        loss_scale="dynamic" if scaled else None),
+                          compile={"backend": cfg.compile_backend}
+                          if name.endswith("_compiled") else False)
         box, info = [step.init(params)], {}
 
         def run(batch):
@@ -208,12 +216,15 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
         dev = device_of(cfg)
         model = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda"
                                         else None, gradient_as_bucket_view=True)
+    elif name == "floor_compile":
+        model.compile(backend=cfg.compile_backend)
     elif name != "floor":
         raise ValueError(f"bench: unknown mode {name!r}; choose from {', '.join(MODES)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                             **({"fused": True} if cfg.fused else {"foreach": True}))
 
-    autocast = name in ("floor", "ddp") and bool(mixed(cfg))  # FSDP2 casts by its policy
+    # FSDP2 casts by its policy
+    autocast = name in ("floor", "floor_compile", "ddp") and bool(mixed(cfg))
     dev_type = device_of(cfg).type
     low = LOW.get(cfg.precision, torch.bfloat16)
     scaler = None

@@ -1,0 +1,159 @@
+"""``train_step(compile=True)`` measured against the eager step and FSDP2, on the same ranks.
+
+Two runs, each on fresh local ranks (gloo on CPU):
+
+- ``--shapes A,B,C`` (world 2): per shape, funshard's eager FULL_SHARD step, the compiled
+  step, FSDP2 (``fully_shard`` per block and root) and FSDP2 with ``block.compile()`` per
+  block, in one process per rank, interleaved round by round. Step time: per round the
+  slowest rank, then the median; ratios are medians of per-round ratios. Memory: each
+  step's resident high-water mark over the resident size at its start
+  (``/proc/self/clear_refs`` + ``VmHWM``, glibc told to unmap every freed buffer over
+  128 KiB so resident memory follows live buffers, the compiled program's too: a dispatch
+  mode, :class:`funshard.testing.LivePeak`, does not see inside a compiled program), and
+  that plus the state every mode keeps (parameter shards and AdamW's two moments, float32).
+- ``--host`` (world 1): the host-bound GPT of :func:`benchmarks.bench.host_config` in
+  bfloat16, the plain step with ``model.compile()`` against the compiled step, and the eager
+  step and the plain step for scale.
+
+Every mode moves its bytes on the backend's collectives. Graphs and graph breaks are
+dynamo's counters after the warm-up and after the timed rounds (equal: no recompile).
+
+    python -m benchmarks.compiled_step --shapes A,B,C --rounds 6
+    python -m benchmarks.compiled_step --host --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from . import shapes
+from .bench import host_config
+from .launch import launch
+from .modes import Config, batches, build_mode, build_model, meshes_for
+
+SHAPE_MODES = ("funshard_full", "funshard_full_compiled", "fsdp2_full", "fsdp2_full_compile")
+HOST_MODES = ("floor", "floor_compile", "funshard_full", "funshard_full_compiled")
+
+
+def _status(key: str) -> int:  # bytes
+    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status")
+                if ln.startswith(key + ":"))
+
+
+def rss_step(fn) -> int:
+    """Resident high-water mark over ``fn`` minus the resident size before it."""
+    gc.collect()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn()
+    return _status("VmHWM") - before
+
+
+def _gather(obj):
+    if dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_rank(cfg: Config, rounds: int) -> dict:
+    """Every mode of ``cfg`` on this rank: warm-up (the compiled step's eager first step and
+    its compiling second), ``rounds`` interleaved timed rounds of ``cfg.steps`` steps, then
+    one step of each under the resident-memory probe."""
+    meshes = meshes_for(cfg, cfg.modes)
+    rank = dist.get_rank()
+    base, data = build_model(cfg), batches(cfg, rank)
+    counters.clear()
+    runners, warm_s = {}, {}
+    for m in cfg.modes:
+        runners[m] = build_mode(m, base, cfg, meshes)
+        t0 = time.perf_counter()
+        for i in range(cfg.warmup):
+            runners[m].step(data[i % len(data)])
+        warm_s[m] = time.perf_counter() - t0
+    graphs = [counters["stats"]["unique_graphs"]]
+    times: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    for r in range(rounds):
+        for m, run in runners.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(cfg.steps):
+                run.step(data[(r + i) % len(data)])
+            times[m].append((time.perf_counter() - t0) / cfg.steps * 1e3)
+    graphs.append(counters["stats"]["unique_graphs"])
+    mem = {}
+    for m, run in runners.items():
+        dist.barrier()
+        mem[m] = rss_step(lambda: run.step(data[0]))
+    state = sum(p.numel() for p in base.parameters()) * 4 * 3 // cfg.world
+    return {"times": _gather(times), "mem": _gather(mem), "warm_s": warm_s, "graphs": graphs,
+            "breaks": sum(counters["graph_break"].values()), "state": state}
+
+
+def summary(res: dict, modes: tuple, base: str) -> dict:
+    """Per mode: median ms (slowest rank per round), median ratio to ``base``, in-step MiB
+    (largest rank), and state + in-step against ``base``'s."""
+    per_round = {m: [max(t[m][r] for t in res["times"]) for r in range(len(res["times"][0][m]))]
+                 for m in modes}
+    mem = {m: max(x[m] for x in res["mem"]) for m in modes}
+    return {m: {"ms": statistics.median(per_round[m]),
+                "ratio": statistics.median(a / b for a, b in zip(per_round[m], per_round[base])),
+                "in_step_mib": mem[m] / 2**20,
+                "peak_ratio": (res["state"] + mem[m]) / (res["state"] + mem[base])}
+            for m in modes}
+
+
+def table(res: dict, modes: tuple, base: str) -> str:
+    rows = summary(res, modes, base)
+    out = [f"| mode | ms median | x {base} | in-step MiB | (state + in-step) x {base} "
+           "| warm-up s |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for m, r in rows.items():
+        out.append(f"| {m} | {r['ms']:.1f} | {r['ratio']:.3f} | {r['in_step_mib']:.1f} | "
+                   f"{r['peak_ratio']:.3f} | {res['warm_s'][m]:.1f} |")
+    out.append(f"\ndynamo graphs after warm-up / after the rounds: {res['graphs'][0]} / "
+               f"{res['graphs'][1]}; graph breaks: {res['breaks']}; state (shards + AdamW "
+               f"moments) per rank: {res['state'] / 2**20:.1f} MiB")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compiled_step",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="", metavar="A,B,C")
+    ap.add_argument("--host", action="store_true", help="world 1, the host-bound GPT")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=1, help="steps per mode per round")
+    ap.add_argument("--backend", default="inductor", help="torch.compile's backend")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_step
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, backend {a.backend}")
+    for name in filter(None, a.shapes.split(",")):
+        cfg = dataclasses.replace(Config(world=2, threads=1, warmup=3, steps=a.steps,
+                                         modes=SHAPE_MODES, compile_backend=a.backend),
+                                  **shapes.SHAPES[name])
+        res = launch(run_rank, cfg, a.rounds)
+        print(f"\n## {shapes.LABELS[name]}, 2 ranks, FULL_SHARD, AdamW\n\n"
+              f"{table(res, SHAPE_MODES, 'funshard_full')}", flush=True)
+    if a.host:
+        cfg = dataclasses.replace(
+            host_config(Config(precision="bf16", threads=1, compile_backend=a.backend)),
+            modes=HOST_MODES, warmup=3, steps=max(a.steps, 20))
+        res = launch(run_rank, cfg, a.rounds)
+        print(f"\n## host-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16\n\n"
+              f"{table(res, HOST_MODES, 'floor_compile')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
