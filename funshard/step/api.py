@@ -237,7 +237,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
             ``options``, and ``fallback="eager"``) traces the loss, backward and every
             group's collectives into one compiled program per batch signature, after one
             eager step that learns the model (see :mod:`funshard.step.compiled`). Not yet
-            with ``accumulate``, ``loss_scale`` or a transport other than ``"c10d"``.
+            with ``loss_scale`` or a transport other than ``"c10d"``.
     Returns:
         :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
         (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).

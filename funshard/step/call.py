@@ -70,11 +70,11 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
                                           else None)
     if dt is not None:
         args, kwargs = pytree.tree_map(functools.partial(_cast, dt), (args, kwargs))
-    if run is None or run.backward:
-        return torch.func.functional_call(module, params, args, kwargs)
-    seen = _SEEN.get()
+    seen = _SEEN.get()  # a compiled step's (or eval_step's) first call: the modules
     if seen is not None and not any(m is module for m in seen):
         seen.append(module)
+    if run is None or run.backward:
+        return torch.func.functional_call(module, params, args, kwargs)
     merged = _merged(params)
     before = run.installs.setdefault(id(module), merged)
     if before is not merged and (before.keys() != merged.keys() or any(
@@ -118,7 +118,7 @@ _SEEN: contextvars.ContextVar = contextvars.ContextVar("funshard_seen", default=
 
 @contextlib.contextmanager
 def recording():
-    """While inside, :func:`call` in a training step lists the modules it enters (yielded)."""
+    """While inside, :func:`call` lists the modules it enters (yielded)."""
     seen: list = []
     token = _SEEN.set(seen)
     try:

@@ -15,6 +15,10 @@ A ``loss_fn`` that dynamo cannot trace whole is refused at its first compiled st
 dynamo's reason and the user's line, the state unchanged; ``compile={"fallback":
 "eager"}`` runs such a signature eagerly instead, with a warning.
 
+``eval_step(fn, compile=True)`` is the same machinery without gradients: its first call
+per signature of the arguments runs eagerly and shows the modules, later ones run ``fn``'s
+program under ``torch.no_grad()``.
+
 The update (the metrics, the non-finite rule, clipping and the optimizer) runs after the
 program, as the eager step runs it: the state, metrics, checkpoints and state dicts are the
 eager step's, and a run may switch between the two at any checkpoint.
@@ -31,13 +35,14 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .. import _compat, pytree
-from . import update
+from .. import _compat, collectives, pytree
+from . import batches, update
 from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
 
 _OPTIONS = ("backend", "mode", "dynamic", "options", "fallback")
+_EAGER = object()  # what Compiled._traced gives where a signature runs eagerly
 _ids = itertools.count()
 
 
@@ -58,14 +63,13 @@ def options_of(compile: Any) -> dict:
 
 def check_policy(policy) -> None:
     """What the compiled step does not do yet is refused by name."""
-    unsupported = [(policy.accumulate != 1, f"accumulate={policy.accumulate}"),
-                   (policy.loss_scale is not None, f"loss_scale={policy.loss_scale!r}"),
+    unsupported = [(policy.loss_scale is not None, f"loss_scale={policy.loss_scale!r}"),
                    (policy.transport != "c10d", f"transport={policy.transport!r}")]
     named = [what for bad, what in unsupported if bad]
     if named:
         raise NotImplementedError(
             f"train_step(compile=True) does not support Policy({', '.join(named)}) yet (its "
-            "collectives are torch's functional ones, one micro-batch per program); use "
+            "collectives are torch's functional ones, its loss unscaled); use "
             "compile=False for this policy.")
 
 
@@ -94,8 +98,8 @@ def _fresh(name: str) -> Callable:
     return types.FunctionType(code, _call_program.__globals__, name)
 
 
-def _call_program(program, shards, bufs, batch):
-    return program(shards, bufs, batch)
+def _call_program(program, shards, bufs, inputs):
+    return program(shards, bufs, inputs)
 
 
 @contextlib.contextmanager
@@ -115,12 +119,15 @@ def _patched(patches: list):
 
 
 class Compiled:
-    """The compiled programs of one ``train_step``, one per batch signature."""
+    """The compiled programs of one ``train_step`` (or ``eval_step``: ``train=False``), one
+    per signature of its inputs."""
 
-    def __init__(self, loss_fn: Callable, policy, compile: Any):
-        _compat.require("train_step(compile=True)")
-        check_policy(policy)
-        self.loss_fn, self.policy = loss_fn, policy
+    def __init__(self, fn: Callable, policy, compile: Any, train: bool = True):
+        self.where, self.what = (("train_step", "loss_fn") if train else ("eval_step", "fn"))
+        _compat.require(f"{self.where}(compile=True)")
+        if train:
+            check_policy(policy)
+        self.fn, self.policy, self.train = fn, policy, train
         options = options_of(compile)
         self.fallback = options.pop("fallback", None) == "eager"
         self.options = options
@@ -128,77 +135,119 @@ class Compiled:
 
     def grads(self, params: ParamGroups, leaves: list, bufs: Any, batch: Any,
               eager: Callable[[], update.Grads]) -> update.Grads:
-        """The step's reduced gradients: ``eager()`` on a signature's first step, its
-        program after."""
-        key = (params, _signature(batch), _signature(bufs))
-        entry = self.entries.get(key)
-        if entry is None:
-            with recording() as modules:
-                out = eager()
-            self.entries[key] = self._entry(params, leaves, modules, out)
-            return out
-        if entry.program is None:
-            return eager()
-        try:
-            return self._run(entry, leaves, bufs, batch)
-        except _compat.DynamoError as e:
-            if not self.fallback:
-                raise TypeError(
-                    "train_step(compile=True): loss_fn cannot be traced as one program; "
-                    f"the parameters and optimizer state are unchanged. torch.compile "
-                    f"says: {e}\nMake loss_fn traceable, pass compile=False, or "
-                    "compile={'fallback': 'eager'}.") from e
-            warnings.warn(f"train_step(compile=True): loss_fn cannot be traced as one "
-                          f"program; this batch signature runs eagerly. torch.compile "
-                          f"says: {e}", stacklevel=4)
-            self.entries[key] = entry._replace(program=None, fn=None)
-            return eager()
+        """The step's reduced gradients: ``eager()`` on a signature's first step, then the
+        program of each micro-batch's signature, once per micro-batch, their sums. (One
+        program per micro-batch: AOTAutograd's pass that gathers again in backward takes
+        one backward region per graph.)"""
+        parts = batches.split(batch, self.policy.accumulate)
+        keys = [self._key(params, [mb], bufs) for mb in parts]
+        if any(k not in self.entries for k in keys):
+            return self._first(params, leaves, keys, eager)
+        total = count = summed = None
+        auxes: list = []
+        for j, (key, mb) in enumerate(zip(keys, parts)):
+            out = self._traced(key, leaves, bufs, [mb], first_part=j == 0)
+            if out is _EAGER:
+                return eager()
+            value, c, aux, reduced = out
+            total = value if total is None else total + value
+            count = c if count is None or c is None else count + c
+            summed = reduced if summed is None else [
+                b if a is None else a if b is None else a + b for a, b in zip(summed, reduced)]
+            auxes += aux
+        entry = self.entries[keys[0]]
+        grads: list = [None] * len(leaves)
+        for i, g in zip(entry.program.trainable, summed):
+            if i in entry.used:
+                grads[i] = g
+        return update.Grads(grads, total, auxes, (None, None), entry.order, count,
+                            set(entry.used))
 
-    def _entry(self, params: ParamGroups, leaves: list, modules: list,
-               out: update.Grads) -> _Entry:
+    def evaluate(self, params: ParamGroups, leaves: list, bufs: Any, args: tuple,
+                 kwargs: dict, eager: Callable[[], Any]) -> Any:
+        """An ``eval_step``'s result: ``eager()`` on a signature's first call, its program
+        after."""
+        key = self._key(params, (args, kwargs), bufs)
+        if key not in self.entries:
+            return self._first(params, leaves, [key], eager)
+        out = self._traced(key, leaves, bufs, (args, kwargs))
+        return eager() if out is _EAGER else out
+
+    @staticmethod
+    def _key(params: ParamGroups, inputs: Any, bufs: Any) -> tuple:
+        # (a world of one forced to run its collectives is another program)
+        return (params, _signature(inputs), _signature(bufs), collectives.skips(1))
+
+    def _first(self, params: ParamGroups, leaves: list, keys: list, eager: Callable) -> Any:
+        """``eager()``, which shows the modules ``fs.call`` enters; the programs of ``keys``
+        made from what it saw."""
+        with recording() as modules:
+            out = eager()
+        for key in keys:
+            if key not in self.entries:
+                self.entries[key] = self._entry(params, leaves, modules, out)
+        return out
+
+    def _traced(self, key: tuple, leaves: list, bufs: Any, inputs: Any,
+                first_part: bool = True) -> Any:
+        """The program of ``key`` on ``inputs``, or :data:`_EAGER` where it runs eagerly."""
+        entry = self.entries[key]
+        if entry.program is None:
+            return _EAGER
+        try:
+            return self._run(entry, leaves, bufs, inputs)
+        except _compat.DynamoError as e:
+            if not self.fallback or not first_part:  # (a part ran: eager would run it again)
+                raise TypeError(
+                    f"{self.where}(compile=True): {self.what} cannot be traced as one "
+                    f"program; the parameters and optimizer state are unchanged. "
+                    f"torch.compile says: {e}\nMake {self.what} traceable, pass "
+                    "compile=False, or compile={'fallback': 'eager'}.") from e
+            warnings.warn(f"{self.where}(compile=True): {self.what} cannot be traced as one "
+                          f"program; these inputs' signature runs eagerly. torch.compile "
+                          f"says: {e}", stacklevel=5)
+            self.entries[key] = entry._replace(program=None, fn=None)
+            return _EAGER
+
+    def _entry(self, params: ParamGroups, leaves: list, modules: list, out: Any) -> _Entry:
         blocks = {}
         for gi, name in enumerate(params.names):
             sub = _module_of(params, gi, name, modules)
             if sub is not None:
                 blocks[gi] = (sub, sub.forward)
-        program = Program(self.loss_fn, params, self.policy, blocks, leaves)
-        fn = torch.compile(_fresh(f"funshard_step_{next(_ids)}"), fullgraph=True,
+        program = Program(self.fn, params, self.policy, blocks, leaves, train=self.train)
+        fn = torch.compile(_fresh(f"funshard_{self.where}_{next(_ids)}"), fullgraph=True,
                            **self.options)
         patches = [(sub, functools.partial(program.block, gi))
                    for gi, (sub, _) in blocks.items()]
+        if not self.train:
+            return _Entry(program, fn, frozenset(), (), patches, [False])
         return _Entry(program, fn, frozenset(out.used), out.order, patches, [False])
 
-    def _run(self, entry: _Entry, leaves: list, bufs: Any, batch: Any) -> update.Grads:
-        program = entry.program
+    def _run(self, entry: _Entry, leaves: list, bufs: Any, inputs: Any) -> Any:
         stance = (torch.compiler.set_stance("fail_on_recompile") if entry.ran[0]
                   else contextlib.nullcontext())
-        with (_patched(entry.patches), in_program(self.policy),
-              _compat.tracing_autograd(), stance):
+        grad = _compat.tracing_autograd() if self.train else torch.no_grad()
+        with _patched(entry.patches), in_program(self.policy), grad, stance:
             try:
-                value, count, aux, reduced = entry.fn(
-                    program, [d._local_tensor for d in leaves], bufs, batch)
+                out = entry.fn(entry.program, [d._local_tensor for d in leaves], bufs, inputs)
             except _compat.RecompileError as e:
                 raise RuntimeError(
-                    "train_step(compile=True): the step's program would be compiled again "
-                    "for a batch of the same shapes: something it read from Python changed "
+                    f"{self.where}(compile=True): the program would be compiled again for "
+                    "inputs of the same shapes: something it read from Python changed "
                     f"since it was traced. torch.compile says: {e}") from e
             except _compat.DynamoError:
-                raise  # not traceable: see grads
+                raise  # not traceable: see _call
             except Exception as e:
                 if entry.ran[0]:
                     raise
                 raise RuntimeError(  # nothing of the state was written: the update is after
-                    "train_step(compile=True): the step's program failed on its first run; "
-                    "the parameters and optimizer state are unchanged (a parameter of a group "
+                    f"{self.where}(compile=True): the program failed on its first run; the "
+                    "parameters and optimizer state are unchanged (a parameter of a group "
                     "module read outside that module is a DTensor there: see "
                     f"funshard.step.program). {type(e).__name__}: {e}") from e
         entry.ran[0] = True
-        grads: list = [None] * len(leaves)
-        for i, g in zip(program.trainable, reduced):
-            if i in entry.used:
-                grads[i] = g
-        return update.Grads(grads, value.double(), [aux], (None, None), entry.order, count,
-                            set(entry.used))
+        return out
 
 
 def _module_of(params: ParamGroups, gi: int, name: str, modules: list):

@@ -43,7 +43,7 @@ class EvalStep(NamedTuple):
         return self.apply(params, *args, **kwargs)
 
 
-def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
+def eval_step(fn: Callable, *, policy: Policy = Policy(), compile: Any = False) -> EvalStep:
     """Run ``fn(params, *args)`` on sharded ``params`` one group at a time, without gradients.
 
     Args:
@@ -52,6 +52,10 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
             parameter exists only while ``fn`` runs); tensors computed from them are plain.
         policy: :class:`Policy`: ``groups``, ``param_dtype``, ``reshard_after_forward``,
             ``prefetch`` and ``transport`` apply; the gradient options are ignored.
+        compile: as ``train_step``'s: True (or a dict of ``torch.compile``'s options)
+            traces ``fn`` and every group's all-gather into one compiled program per
+            signature of the arguments, after one eager call that learns the modules
+            ``fn`` enters through ``fs.call`` (see :mod:`funshard.step.compiled`).
     Returns:
         :class:`EvalStep`; ``out = evaluate(state.params, batch)``, or ``evaluate(state,
         batch)``: then a state with buffers gives ``fn`` ``(params, buffers)`` as the
@@ -61,6 +65,11 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
     if not isinstance(policy, Policy):
         raise TypeError(f"eval_step: policy must be an fs.Policy, got {type(policy).__name__}")
     cache: dict[Any, ParamGroups] = {}
+    compiled = None
+    if compile is not False:
+        from .compiled import Compiled  # torch.compile's machinery only when asked for
+
+        compiled = Compiled(fn, policy, compile, train=False)
 
     def groups_for(params: Tree) -> ParamGroups:
         leaves, spec = pytree.flatten(params)
@@ -79,19 +88,30 @@ def eval_step(fn: Callable, *, policy: Policy = Policy()) -> EvalStep:
         groups = groups_for(params)
         if bufs is not None:
             buffers_.check_dtypes(groups, bufs, where="eval_step")
-        shards = [d._local_tensor.detach() for d in pytree.flatten(params)[0]]
-        run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
-                  record=groups.schedule is None)  # the first call learns the order
-        run.tapped = False  # no gradients: nothing is streamed to a bucket
-        stands = lazy.stand_ins(run, groups, shards, requires_grad=False)
-        tree = pytree.unflatten(groups.spec, stands)
-        if bufs is not None:
-            tree = (tree, bufs)
-        try:
-            with torch.no_grad(), casting(policy):
-                return fn(tree, *args, **kwargs)
-        finally:
-            run.finish()
-            run.release()
+        leaves = pytree.flatten(params)[0]
+        if compiled is not None:
+            return compiled.evaluate(groups, leaves, bufs, args, kwargs,
+                                     lambda: _eager(fn, policy, groups, leaves, bufs, args,
+                                                    kwargs))
+        return _eager(fn, policy, groups, leaves, bufs, args, kwargs)
 
     return EvalStep(apply)
+
+
+def _eager(fn: Callable, policy: Policy, groups: ParamGroups, leaves: list, bufs: Any,
+           args: tuple, kwargs: dict) -> Any:
+    """``fn`` on stand-ins that gather their groups as it reaches them."""
+    shards = [d._local_tensor.detach() for d in leaves]
+    run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
+              record=groups.schedule is None)  # the first call learns the order
+    run.tapped = False  # no gradients: nothing is streamed to a bucket
+    stands = lazy.stand_ins(run, groups, shards, requires_grad=False)
+    tree = pytree.unflatten(groups.spec, stands)
+    if bufs is not None:
+        tree = (tree, bufs)
+    try:
+        with torch.no_grad(), casting(policy):
+            return fn(tree, *args, **kwargs)
+    finally:
+        run.finish()
+        run.release()

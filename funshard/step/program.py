@@ -35,6 +35,12 @@ inductor program per step: no host work per op, no graph break. How the pieces m
   where they meet plain tensors, never a shard taken for the whole. (A gather there
   instead, left unused, is not removed: inductor keeps a collective whose result is
   waited on.)
+- **Micro-batches.** ``Policy(accumulate=k)`` runs the program once per micro-batch and
+  sums the reduced gradients (the loss divided by ``k`` as the eager step divides it): the
+  remat pass that gathers again in backward takes one backward region per graph, so ``k``
+  forward-backward pairs do not fit one program. Random draws (ops tagged
+  ``nondeterministic_seeded``) in a recomputed region are kept from forward: the pass
+  refuses to draw them again, and drawing again would not give the forward's numbers.
 - **The reductions.** The reduce-scatter comes from autograd, summed over ranks; on a 2-D
   mesh one all-reduce over ``"replicate"`` follows, and replicated leaves (scalars) are
   all-reduced over every data-parallel rank; the mean divides by the data-parallel world.
@@ -51,9 +57,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from .. import _compat, pytree
+from .. import _compat, collectives, pytree
 from ..mesh import REPLICATE, SHARD
 from . import loss as loss_
+from . import scaling
 from .params import ParamGroups
 
 # what the region recomputes besides the gather's own ops: the packing and the cutting out
@@ -68,6 +75,8 @@ def _policy(gather: CheckpointPolicy, compute: CheckpointPolicy, ctx, op, *args,
     ``compute`` for the rest."""
     if op in _compat.GATHER_OPS or op in _COPIES or op.is_view:
         return gather
+    if torch.Tag.nondeterministic_seeded in op.tags:  # random draws are kept, not redrawn
+        return CheckpointPolicy.MUST_SAVE
     return compute
 
 
@@ -115,8 +124,10 @@ class Program:
     ``blocks``: group index -> (module, its forward) for the groups gathered at a module's
     boundary; ``leaves`` is set while the program runs (the group forwards read it)."""
 
-    def __init__(self, loss_fn, params: ParamGroups, policy, blocks: dict, like: list):
+    def __init__(self, loss_fn, params: ParamGroups, policy, blocks: dict, like: list,
+                 train: bool = True):
         self.loss_fn, self.params, self.policy, self.blocks = loss_fn, params, policy, blocks
+        self.train = train  # False: an eval_step's fn, under no_grad
         # (mesh, placements) of each leaf: a group module's leaves reach loss_fn as DTensors
         self.like = [(d.device_mesh, d.placements) for d in like]
         self.buckets = [buckets_of(params, policy, gi) for gi in range(len(params.members))]
@@ -126,11 +137,13 @@ class Program:
         self.replicate_group = (mesh.get_group(names.index(REPLICATE)).group_name
                                 if REPLICATE in names else None)
         self.world = mesh.size()
+        self.alone = collectives.skips(self.world)  # a world of one: no collective at all
         self.trainable = [i for i, t in enumerate(params.trainable) if t]
         check, again = policy.checkpoint, policy.reshard_after_forward
         chosen = {gi: check is True or (callable(check) and bool(check(params.names[gi])))
                   for gi in blocks}
-        self.regions = {gi: context_fn(again, c) for gi, c in chosen.items() if again or c}
+        self.regions = {gi: context_fn(again, c) for gi, c in chosen.items()
+                        if train and (again or c)}
         self.leaves: list | None = None
         # the tree's structure as plain containers of leaf positions: dynamo traces their
         # construction, not optree's (a spec made outside the trace is opaque to it)
@@ -142,6 +155,9 @@ class Program:
         lays = self.params.layouts
         full = {i: local[i] for i in local if not lays[i].sharded}  # replicated: as they are
         for b in self.buckets[gi]:
+            if self.alone:  # the shard is the whole: the cast is the gather
+                full.update((i, local[i].to(b.cast)) for i in b.idx)
+                continue
             parts = []
             for i in b.idx:
                 flat = local[i].reshape(-1)
@@ -175,13 +191,50 @@ class Program:
                                    tie_weights=True):
             return forward(*args, **kwargs)
 
-    def __call__(self, shards: list, bufs: Any, batch: Any):
+    def __call__(self, shards: list, bufs: Any, inputs: Any):
+        """A training step's :meth:`step` over micro-batches ``inputs``, or an eval_step's
+        ``fn`` with ``inputs`` = (args, kwargs)."""
+        if self.train:
+            return self.step(shards, bufs, inputs)
+        args, kwargs = inputs
+        leaves = [s.detach() for s in shards]
+        self.leaves = leaves
+        out = self.loss_fn(self._tree(leaves, bufs), *args, **kwargs)
+        self.leaves = None
+        return out
+
+    def step(self, shards: list, bufs: Any, parts: list):
+        """The step over micro-batches ``parts``: (the losses' sum, the ``fs.Mean`` counts'
+        sum or None, each micro-batch's aux, the reduced gradients summed over them)."""
         p = self.params
         leaves = [s.detach().requires_grad_(True) if t else s.detach()
                   for s, t in zip(shards, p.trainable)]
-        self.leaves = leaves
+        total = count = summed = None
+        auxes = []
+        for mb in parts:  # each micro-batch gathers again, as the eager step's do
+            self.leaves = leaves
+            loss, aux = loss_.loss_of(self.loss_fn(self._tree(leaves, bufs), mb))
+            self.leaves = None
+            value = loss_.value(loss)
+            share = loss_.share(loss, self.policy.accumulate)  # the step's, not this call's
+            grads = torch.autograd.grad(scaling.scaled(value, share, None),
+                                        [leaves[i] for i in self.trainable], allow_unused=True)
+            reduced = self.reduce(list(grads))
+            summed = reduced if summed is None else [
+                b if a is None else a if b is None else a + b for a, b in zip(summed, reduced)]
+            v = value.detach().double()
+            total = v if total is None else total + v
+            if isinstance(loss, loss_.Mean):
+                c = loss_.count_of(loss, value.device)
+                count = c if count is None else count + c
+            auxes.append(pytree.plain_map(_detached, aux))
+        return total, count, auxes, summed
+
+    def _tree(self, leaves: list, bufs: Any):
+        """What ``loss_fn`` gets: the tree of gathered tensors (a group module's leaves as
+        DTensors over their shards), with the buffers when there are."""
         full: list = [None] * len(leaves)
-        for gi, idx in enumerate(p.members):
+        for gi, idx in enumerate(self.params.members):
             if gi in self.blocks:  # gathered at its module; here the shards, as DTensors
                 for i in idx:
                     full[i] = DTensor.from_local(leaves[i], *self.like[i], run_check=False)
@@ -189,20 +242,14 @@ class Program:
                 for i, t in self.gather(gi, {i: leaves[i] for i in idx}).items():
                     full[i] = t
         tree = pytree.plain_map(lambda i: None if i is None else full[i], self.template)
-        loss, aux = loss_.loss_of(self.loss_fn(tree if bufs is None else (tree, bufs), batch))
-        self.leaves = None
-        value = loss_.value(loss)
-        grads = torch.autograd.grad(value, [leaves[i] for i in self.trainable],
-                                    allow_unused=True)
-        count = (loss_.count_of(loss, value.device) if isinstance(loss, loss_.Mean)
-                 else None)
-        aux = pytree.plain_map(_detached, aux)
-        return value.detach(), count, aux, self.reduce(list(grads))
+        return tree if bufs is None else (tree, bufs)
 
     def reduce(self, grads: list) -> list:
         """The reduce-scattered sums as means over the data-parallel ranks: the replicate
         all-reduce (2-D) and the replicated leaves' all-reduce, one per dtype."""
         lays = self.params.layouts
+        if self.alone:
+            return grads
         pending: dict[tuple, list[int]] = {}
         for j, (i, g) in enumerate(zip(self.trainable, grads)):
             if g is None:

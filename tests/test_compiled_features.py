@@ -1,0 +1,216 @@
+"""``train_step(..., compile=True)`` with the Policy's features and models beyond the GPT:
+micro-batches (a plain loss and ``fs.Mean``), activation checkpointing, BatchNorm buffers,
+a Hugging Face T5 (tied embeddings, an encoder and a decoder), and a world of one with and
+without its collectives forced. Each trains as the eager step and as one process, in one
+graph with no graph break (``aot_eager``: AOTAutograd's graphs run op by op)."""
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard.collectives import force_collectives
+from funshard.testing import mesh
+from test_compiled_step import CFG, LR, _batches, _gpt, _loss, _max_diff, compiled_collectives
+
+AOT = {"backend": "aot_eager"}
+
+
+def _mean_loss(model):
+    def loss_fn(params, batch):
+        x, y = batch
+        logits = fs.call(model, params, x).flatten(0, 1)
+        return fs.Mean(F.cross_entropy(logits, y.flatten(), reduction="sum"), y.numel())
+    return loss_fn
+
+
+def _run(spec, loss_of, policy, compile, batches):
+    """Losses and full parameters after AdamW on this rank's rows of ``batches``; dynamo's
+    graph count and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    step = fs.train_step(loss_of(model), fs.optim.adamw(LR, weight_decay=0.1), policy=policy,
+                         compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    losses, per = [], batches[0][0].shape[0] // world
+    for x, y in batches:
+        rows = slice(rank * per, (rank + 1) * per)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(float(metrics["loss"]))
+    out = (losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()},
+           counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    gc.collect()
+    return out
+
+
+def _one_process(batches):
+    """torch.optim.AdamW with torch's clip on the whole batch."""
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _loss(model)(dict(model.named_parameters()), (x, y))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach() for k, p in model.named_parameters()}
+
+
+VARIANTS = {
+    "accumulate": (_loss, dict(accumulate=2)),
+    "mean_accumulate": (_mean_loss, dict(accumulate=2)),
+    "checkpoint": (_loss, dict(checkpoint=True)),
+    "accumulate_grad_op": (_loss, dict(accumulate=2, reshard_after_forward=False)),
+}
+
+
+def variant_parity(spec, variant, steps=4):
+    loss_of, kwargs = VARIANTS[variant]
+    policy = fs.Policy(clip_norm=1.0, **kwargs)
+    batches = _batches(steps, dist.get_world_size(), per_rank=4)
+    return {"eager": _run(spec, loss_of, policy, False, batches),
+            "compiled": _run(spec, loss_of, policy, AOT, batches),
+            "one": _one_process(batches)}
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_policy_features_compiled_train_as_eager_and_one_process(pools, spec, variant):
+    for rank, r in enumerate(pools.run(spec, variant_parity, variant, timeout=600)):
+        (el, ep, _, _), (cl, cp, graphs, breaks), (ol, op) = r["eager"], r["compiled"], r["one"]
+        assert breaks == 0 and graphs == 1, (rank, graphs, breaks)
+        assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
+        assert max(abs(a - b) for a, b in zip(cl, ol)) <= 1e-5, (rank, cl, ol)
+        assert _max_diff(cp, ep) <= 1e-5, (rank, _max_diff(cp, ep))
+        assert _max_diff(cp, op) <= 1e-5, (rank, _max_diff(cp, op))
+
+
+def buffers_compiled(spec, rule, steps=3):
+    """BatchNorm's running statistics as state.buffers, updated inside the program."""
+    from test_buffers import B, _batch, _model, _reference
+    from test_buffers import _loss as bn_loss
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    step = fs.train_step(bn_loss(model), fs.optim.sgd(lr=0.1), policy=fs.Policy(buffers=rule),
+                         compile=AOT)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)), fs.buffers(model))
+    for s in range(steps):
+        x, y = _batch(s, world)
+        state, _ = step(state, (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]))
+    ref_p, ref_b = _reference(rule, world, steps)
+    p_err = max((state.params[k].full_tensor() - v).abs().max().item()
+                for k, v in ref_p.items())
+    mine = {k: v.to_local() for k, v in state.buffers.items()}
+    b_err = max((mine[k].double() - v.double()).abs().max().item()
+                for k, v in ref_b[rank].items())
+    torch._dynamo.reset()
+    return p_err, b_err, int(mine["1.num_batches_tracked"])
+
+
+@pytest.mark.parametrize("rule", ["mean", "own"])
+def test_batchnorm_buffers_compiled_follow_the_rule(pools, rule):
+    for rank, (p_err, b_err, tracked) in enumerate(pools.run(2, buffers_compiled, rule,
+                                                             timeout=600)):
+        assert p_err < 1e-6 and b_err < 1e-6 and tracked == 3, (rank, p_err, b_err, tracked)
+
+
+def t5_parity(spec, steps=3, per_rank=2):
+    """T5 (tied embeddings, encoder and decoder blocks) compiled against its eager step."""
+    from test_hf import _t5
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 64, (world * per_rank, 8), generator=g) for _ in range(steps)]
+    out = {}
+    for name, compile in (("eager", False), ("compiled", AOT)):
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        model = _t5()
+        step = fs.train_step(lambda p, b: fs.call(model, p, input_ids=b, labels=b,
+                                                  use_cache=False).loss,
+                             fs.optim.adamw(LR), compile=compile)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        losses = []
+        for x in ids:
+            state, metrics = step(state, x[rank * per_rank:(rank + 1) * per_rank])
+            losses.append(float(metrics["loss"]))
+        out[name] = (losses, {k: v.detach().clone() for k, v in
+                              fs.unshard(state.params).items()},
+                     counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    gc.collect()
+    return out
+
+
+def test_compiled_step_trains_t5_as_its_eager_step(pools):
+    pytest.importorskip("transformers")
+    for rank, r in enumerate(pools.run(2, t5_parity, timeout=600)):
+        (el, ep, _, _), (cl, cp, graphs, breaks) = r["eager"], r["compiled"]
+        assert breaks == 0 and graphs == 1, (rank, graphs, breaks)
+        assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
+        assert _max_diff(cp, ep) <= 1e-5, (rank, _max_diff(cp, ep))
+
+
+def world_of_one(spec, forced):
+    with force_collectives(forced):
+        return compiled_collectives(spec, True)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["alone", "forced"])
+def test_a_world_of_one_runs_no_collective_unless_forced(pools, forced):
+    """Alone, the program gathers nothing (the shard is the whole); forced (one GPU
+    standing in for many), every group's collectives are in it, as on two ranks."""
+    for counts, graphs, groups, programs in pools.run(1, world_of_one, forced, timeout=900):
+        assert programs == 1 and graphs == [1, 1, 1], (programs, graphs)
+        if forced:
+            assert counts.get("all_gather_into_tensor") == 1 + 2 * (groups - 1), counts
+            assert counts.get("reduce_scatter_tensor") == groups, counts
+        else:
+            assert counts == {}, counts
+
+
+def eval_compiled(spec):
+    """fs.eval_step(compile=True): the forward as one program, equal to the eager
+    eval_step and to the module with its full parameters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    sp = fs.shard(fs.params(model), mesh(spec))
+    x = _batches(1, world)[0][0][rank * 2:(rank + 1) * 2]
+    forward = lambda p, x: fs.call(model, p, x)  # noqa: E731
+    compiled = fs.eval_step(forward, compile=AOT)
+    outs = [compiled(sp, x) for _ in range(3)]  # eager, compiled, the program again
+    eager = fs.eval_step(forward)(sp, x)
+    with torch.no_grad():
+        one = _gpt()(x)
+    out = {"diffs": [(o - eager).abs().max().item() for o in outs],
+           "one": (outs[-1] - one).abs().max().item(),
+           "graphs": counters["stats"]["unique_graphs"],
+           "breaks": sum(counters["graph_break"].values()),
+           "grad": any(o.requires_grad for o in outs)}
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_compiled_eval_step_equals_the_eager_one(pools, spec):
+    for rank, r in enumerate(pools.run(spec, eval_compiled, timeout=600)):
+        assert r["graphs"] == 1 and r["breaks"] == 0, (rank, r)
+        assert max(r["diffs"]) <= 1e-6 and r["one"] <= 1e-5 and not r["grad"], (rank, r)
