@@ -82,6 +82,20 @@ class _Entry(NamedTuple):
     ran: list  # [bool]: compiled once already
 
 
+# inductor's options for the program, under the caller's: its post-grad pass that moves
+# each op's producers next to it put every group's backward pack and gather at the program's
+# start, holding each packed copy until its group's backward (measured on shape B: 384 MiB
+# in the step against 368 without the pass; the eager step's 257)
+_INDUCTOR = {"reorder_for_locality": False}
+
+
+def _inductor_options(options: dict) -> dict:
+    """``options`` with :data:`_INDUCTOR` under the caller's own, for inductor."""
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:
+        return options
+    return {**options, "options": {**_INDUCTOR, **options.get("options", {})}}
+
+
 def _signature(tree: Any) -> tuple:
     """What a program is specialised on: the tree's structure, its tensors' shapes, dtypes
     and devices, and its other leaves' values."""
@@ -217,7 +231,7 @@ class Compiled:
                 blocks[gi] = (sub, sub.forward)
         program = Program(self.fn, params, self.policy, blocks, leaves, train=self.train)
         fn = torch.compile(_fresh(f"funshard_{self.where}_{next(_ids)}"), fullgraph=True,
-                           **self.options)
+                           **_inductor_options(self.options))
         patches = [(sub, functools.partial(program.block, gi))
                    for gi, (sub, _) in blocks.items()]
         if not self.train:

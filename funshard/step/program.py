@@ -8,7 +8,8 @@ inductor program per step: no host work per op, no graph break. How the pieces m
 
 - **A group's gather** is one functional all-gather of the group's local shards packed in
   one flat buffer (each leaf's ``torch.chunk`` rows padded to the same count on every rank,
-  cast to the compute dtype first), then each leaf cut out of the result. Its autograd is
+  cast to the compute dtype first), then each leaf cut out of the result; the packing and
+  the cutting are opaque operators (:mod:`funshard.step.packing` says why). Its autograd is
   one reduce-scatter of the group's flat gradient: FULL_SHARD's collectives by
   construction, one per group and direction, without a bucketing pass. (Measured against a
   DTensor gather per leaf, which needs a compiler pass to bucket, in
@@ -52,7 +53,6 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -60,20 +60,19 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from .. import _compat, collectives, pytree
 from ..mesh import REPLICATE, SHARD
 from . import loss as loss_
-from . import scaling
+from . import packing, scaling
 from .params import ParamGroups
 
-# what the region recomputes besides the gather's own ops: the packing and the cutting out
-_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default,
-           torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default,
-           torch.ops.aten._to_copy.default)
+# what the region recomputes besides the gather's own ops and the packing's: casts (a world
+# of one's gather is its cast; a cast after the gather)
+_COPIES = (torch.ops.aten._to_copy.default,)
 
 
 def _policy(gather: CheckpointPolicy, compute: CheckpointPolicy, ctx, op, *args,
             **kwargs) -> CheckpointPolicy:
     """A group region's rule: ``gather`` for its gather's ops (and the views of it),
     ``compute`` for the rest."""
-    if op in _compat.GATHER_OPS or op in _COPIES or op.is_view:
+    if op in _compat.GATHER_OPS or op in packing.OPS or op in _COPIES or op.is_view:
         return gather
     if torch.Tag.nondeterministic_seeded in op.tags:  # random draws are kept, not redrawn
         return CheckpointPolicy.MUST_SAVE
@@ -158,19 +157,13 @@ class Program:
             if self.alone:  # the shard is the whole: the cast is the gather
                 full.update((i, local[i].to(b.cast)) for i in b.idx)
                 continue
-            parts = []
-            for i in b.idx:
-                flat = local[i].reshape(-1)
-                pad = lays[i].padded_numel - flat.numel()
-                parts.append(F.pad(flat, (0, pad)) if pad else flat)
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            got = _compat.all_gather(flat.to(b.dtype), 0, self.shard_group)
-            got = got.view(lays[b.idx[0]].world, -1)
-            at = 0
-            for i in b.idx:
-                lay, n = lays[i], lays[i].padded_numel
-                t = got[:, at:at + n].reshape(lay.padded_shape)[:lay.rows]
-                full[i], at = (t if b.cast == b.dtype else t.to(b.cast)), at + n
+            lays_b = [lays[i] for i in b.idx]
+            numels = [x.padded_numel for x in lays_b]
+            flat = packing.pack([local[i] for i in b.idx], numels, b.dtype)
+            got = _compat.all_gather(flat, 0, self.shard_group)
+            full.update(zip(b.idx, packing.unpack(
+                got, lays_b[0].world, numels, [d for x in lays_b for d in x.padded_shape],
+                [len(x.padded_shape) for x in lays_b], [x.rows for x in lays_b], b.cast)))
         return full
 
     def block(self, gi: int, *args, **kwargs):
