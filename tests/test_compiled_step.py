@@ -279,7 +279,7 @@ def test_a_loss_fn_that_cannot_be_traced_is_refused_by_name_or_runs_eagerly(pool
         assert "DTensor" in msg and same, r["outside"]
 
 
-@pytest.mark.parametrize("bad", [dict(transport="p2p"), dict(loss_scale="dynamic")], ids=str)
+@pytest.mark.parametrize("bad", [dict(transport="p2p"), dict(transport="cma")], ids=str)
 def test_what_the_compiled_step_does_not_do_yet_is_refused_by_name(bad):
     with pytest.raises(NotImplementedError, match=list(bad)[0]):
         fs.train_step(lambda p, b: 0, fs.optim.sgd(0.1), policy=fs.Policy(**bad),

@@ -28,7 +28,7 @@ def _batches(world, per_rank, steps, dev="cpu"):
                   for _ in range(2)) for _ in range(steps)]
 
 
-def grad_scaler_parity(spec, mult):
+def grad_scaler_parity(spec, mult, compile=False):
     """funshard on the mesh against torch: a float16 copy of float32 masters per step, each
     rank's loss scaled by a GradScaler and its float16 gradients averaged in float32 (as
     DDP with GradScaler), AdamW on the masters. ``mult`` scales the loss so that the first
@@ -39,7 +39,7 @@ def grad_scaler_parity(spec, mult):
     masters, half = copy.deepcopy(model), copy.deepcopy(model).half()
     inner = gpt_loss(model)
     step = fs.train_step(lambda p, b: inner(p, b) * mult, fs.optim.adamw(lr=1e-2),
-                         policy=fs.Policy(loss_scale="dynamic", **FP16))
+                         policy=fs.Policy(loss_scale="dynamic", **FP16), compile=compile)
     state = step.init(fs.shard(fs.params(model), m))
     opt = torch.optim.AdamW(masters.parameters(), lr=1e-2, foreach=True)
     scaler = torch.amp.GradScaler(dev.type)
@@ -89,6 +89,17 @@ def test_dynamic_loss_scale_is_torchs_grad_scaler(pools, spec):
         assert ls == LossScale(ours[-1][1], 6 - ours.index((0, ours[-1][1]))), (ls, ours)
         tol = 1e-6 if DEVICE == "cpu" else 1e-4  # (GPU kernels may sum in another order)
         assert err < tol and norm_err < 1e-5, (err, norm_err)  # unscaled, as GradScaler
+
+
+def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools):
+    """train_step(compile=True) under the dynamic scale: the scale is an input of the
+    program, so a new scale is not a new program; the same skips, scales and parameters."""
+    torch._dynamo.reset()
+    for ours, theirs, err, counts, ls, norm_err in pools.run(
+            2, grad_scaler_parity, 16.0, {"backend": "aot_eager"}, timeout=600):
+        assert ours == theirs, (ours, theirs)
+        assert 1 <= sum(s for s, _ in ours) <= 5, ours
+        assert err < 1e-6 and norm_err < 1e-5, (err, norm_err)
 
 
 def underflow(spec):

@@ -210,7 +210,8 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
         return _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
                               state.loss_scale)
 
-    out = eager() if compiled is None else compiled.grads(params, leaves, bufs, batch, eager)
+    out = (eager() if compiled is None else
+           compiled.grads(params, leaves, bufs, batch, eager, state.loss_scale))
     new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
     if bufs is not None:
         if not metrics["skipped"]:  # a skipped step keeps the buffers too
@@ -236,8 +237,8 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
         compile: True (or a dict of ``torch.compile``'s ``backend``, ``mode``, ``dynamic``,
             ``options``, and ``fallback="eager"``) traces the loss, backward and every
             group's collectives into one compiled program per batch signature, after one
-            eager step that learns the model (see :mod:`funshard.step.compiled`). Not yet
-            with ``loss_scale`` or a transport other than ``"c10d"``.
+            eager step that learns the model (see :mod:`funshard.step.compiled`). Not with
+            a transport other than ``"c10d"``.
     Returns:
         :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
         (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).

@@ -62,14 +62,11 @@ def options_of(compile: Any) -> dict:
 
 
 def check_policy(policy) -> None:
-    """What the compiled step does not do yet is refused by name."""
-    unsupported = [(policy.loss_scale is not None, f"loss_scale={policy.loss_scale!r}"),
-                   (policy.transport != "c10d", f"transport={policy.transport!r}")]
-    named = [what for bad, what in unsupported if bad]
-    if named:
+    """What the compiled step does not do is refused by name."""
+    if policy.transport != "c10d":
         raise NotImplementedError(
-            f"train_step(compile=True) does not support Policy({', '.join(named)}) yet (its "
-            "collectives are torch's functional ones, its loss unscaled); use "
+            f"train_step(compile=True) does not support Policy(transport="
+            f"{policy.transport!r}) (its collectives are torch's functional ones); use "
             "compile=False for this policy.")
 
 
@@ -148,19 +145,21 @@ class Compiled:
         self.entries: dict[tuple, _Entry] = {}
 
     def grads(self, params: ParamGroups, leaves: list, bufs: Any, batch: Any,
-              eager: Callable[[], update.Grads]) -> update.Grads:
+              eager: Callable[[], update.Grads], scale=None) -> update.Grads:
         """The step's reduced gradients: ``eager()`` on a signature's first step, then the
         program of each micro-batch's signature, once per micro-batch, their sums. (One
         program per micro-batch: AOTAutograd's pass that gathers again in backward takes
-        one backward region per graph.)"""
+        one backward region per graph.) ``scale``: the state's loss scale (None: none)."""
         parts = batches.split(batch, self.policy.accumulate)
         keys = [self._key(params, [mb], bufs) for mb in parts]
         if any(k not in self.entries for k in keys):
             return self._first(params, leaves, keys, eager)
         total = count = summed = None
         auxes: list = []
+        factor = None if scale is None else torch.full(  # as scaling.scaled makes it
+            (), scale.scale, dtype=torch.float32, device=params.device)
         for j, (key, mb) in enumerate(zip(keys, parts)):
-            out = self._traced(key, leaves, bufs, [mb], first_part=j == 0)
+            out = self._traced(key, leaves, bufs, ([mb], factor), first_part=j == 0)
             if out is _EAGER:
                 return eager()
             value, c, aux, reduced = out

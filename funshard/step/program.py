@@ -60,7 +60,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from .. import _compat, collectives, pytree
 from ..mesh import REPLICATE, SHARD
 from . import loss as loss_
-from . import packing, scaling
+from . import packing
 from .params import ParamGroups
 
 # what the region recomputes besides the gather's own ops and the packing's: casts (a world
@@ -188,7 +188,7 @@ class Program:
         """A training step's :meth:`step` over micro-batches ``inputs``, or an eval_step's
         ``fn`` with ``inputs`` = (args, kwargs)."""
         if self.train:
-            return self.step(shards, bufs, inputs)
+            return self.step(shards, bufs, *inputs)
         args, kwargs = inputs
         leaves = [s.detach() for s in shards]
         self.leaves = leaves
@@ -196,9 +196,11 @@ class Program:
         self.leaves = None
         return out
 
-    def step(self, shards: list, bufs: Any, parts: list):
+    def step(self, shards: list, bufs: Any, parts: list, scale: torch.Tensor | None):
         """The step over micro-batches ``parts``: (the losses' sum, the ``fs.Mean`` counts'
-        sum or None, each micro-batch's aux, the reduced gradients summed over them)."""
+        sum or None, each micro-batch's aux, the reduced gradients summed over them).
+        ``scale``: the loss scale, a float32 scalar (None: none), an input of the program,
+        so that a new scale is not a new program."""
         p = self.params
         leaves = [s.detach().requires_grad_(True) if t else s.detach()
                   for s, t in zip(shards, p.trainable)]
@@ -210,7 +212,8 @@ class Program:
             self.leaves = None
             value = loss_.value(loss)
             share = loss_.share(loss, self.policy.accumulate)  # the step's, not this call's
-            grads = torch.autograd.grad(scaling.scaled(value, share, None),
+            start = value / share if scale is None else value / share * scale  # as scaled()
+            grads = torch.autograd.grad(start,
                                         [leaves[i] for i in self.trainable], allow_unused=True)
             reduced = self.reduce(list(grads))
             summed = reduced if summed is None else [
