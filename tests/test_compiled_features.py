@@ -241,3 +241,53 @@ def test_uneven_rows_compiled_train_as_the_eager_step(pools, param_dtype):
     for rank, (dl, dp) in enumerate(pools.run(2, uneven_parity, param_dtype, timeout=600)):
         tol = (1e-5, 1e-5) if param_dtype is None else (2e-2, 2e-3)
         assert dl <= tol[0] and dp <= tol[1], (rank, dl, dp)
+
+
+def switching(spec, path, steps=6):
+    """A run that switches between the compiled and the eager step at a checkpoint (and
+    back, within one process) trains as the run that never switches; twenty compiled
+    steps of one batch shape make one graph, no break, no recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(steps, world)
+    mine = [(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in batches]
+    policy = fs.Policy(clip_norm=1.0)
+
+    def fresh(compile):
+        model = _gpt()
+        step = fs.train_step(_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
+                             policy=policy, compile=compile)
+        return step, step.init(fs.shard(fs.params(model), mesh(spec)))
+
+    eager, state = fresh(False)
+    for b in mine:
+        state, _ = eager(state, b)
+    ref = {k: v.clone() for k, v in fs.unshard(state.params).items()}
+    compiled, state = fresh(AOT)
+    for b in mine[:2]:
+        state, _ = compiled(state, b)
+    fs.checkpoint.save(path, state)
+    eager2, like = fresh(False)
+    state = fs.checkpoint.load(path, like=like)
+    state, _ = eager2(state, mine[2])  # eager from the compiled run's checkpoint
+    for b in mine[3:]:
+        state, _ = compiled(state, b)  # and the compiled step again on the eager's state
+    got = fs.unshard(state.params)
+    diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    counters.clear()
+    for _ in range(20):
+        state, metrics = compiled(state, mine[0])
+    out = (diff, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+           counters["recompiles"] if "recompiles" in counters else {})
+    torch._dynamo.reset()
+    return out
+
+
+def test_switching_between_compiled_and_eager_at_a_checkpoint(pools, tmp_path):
+    for rank, (diff, graphs, breaks, recompiles) in enumerate(
+            pools.run(2, switching, str(tmp_path / "ckpt"), timeout=600)):
+        assert diff <= 1e-5, (rank, diff)
+        assert graphs == 0 and breaks == 0 and not recompiles, (rank, graphs, breaks,
+                                                                  recompiles)
