@@ -61,22 +61,23 @@ def _mean_loss(model):
     return loss_fn
 
 
-def step_on_meta_default(spec, policy_kwargs, optimizer):
+def step_on_meta_default(spec, policy_kwargs, optimizer, steps=2):
     """Two steps with everything funshard makes on the default device, which is meta; the
     same two steps with the default device left alone; the losses must agree."""
     m = mesh(spec)
     out = []
-    kwargs = {k: v for k, v in policy_kwargs.items() if k != "_mean"}
+    kwargs = {k: v for k, v in policy_kwargs.items() if k not in ("_mean", "_compile")}
+    compile = policy_kwargs.get("_compile", False)
     for default in ("meta", None):
         model, batch = _model_and_batch(dist.get_world_size())
         opt = OPTIMIZERS[optimizer]()
         loss_fn = _mean_loss(model) if policy_kwargs.get("_mean") else gpt_loss(model)
-        step = fs.train_step(loss_fn, opt, policy=fs.Policy(**kwargs))
+        step = fs.train_step(loss_fn, opt, policy=fs.Policy(**kwargs), compile=compile)
         params = fs.params(model)
         with torch.device(default) if default else _nothing():
             state = step.init(fs.shard(params, m))
             losses = []
-            for _ in range(2):
+            for _ in range(steps):
                 state, metrics = step(state, batch)
                 losses.append((metrics["loss"], metrics["grad_norm"]))
             full = fs.unshard(state.params)
@@ -85,6 +86,17 @@ def step_on_meta_default(spec, policy_kwargs, optimizer):
     (meta_losses, meta_full), (losses, full) = out
     err = max((meta_full[k] - full[k]).abs().max().item() for k in full)
     return meta_losses == losses, err
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_the_compiled_step_makes_nothing_on_the_default_device(pools, spec):
+    """train_step(compile=True): its first (eager) step, the compile and two runs of the
+    program, with the default device on meta."""
+    policy = {"_compile": {"backend": "aot_eager"}, "accumulate": 2, "clip_norm": 0.5,
+              "loss_scale": 1024.0}
+    for rank, (same, err) in enumerate(pools.run(spec, step_on_meta_default, policy,
+                                                 "adamw", 4, timeout=600)):
+        assert same and err == 0.0, (rank, same, err)
 
 
 class _nothing:

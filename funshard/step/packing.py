@@ -102,19 +102,15 @@ def shapes_of(dims: list[int], ndims: list[int]) -> list[list[int]]:
 def _unpack_context(ctx, inputs, output) -> None:
     gathered, world, numels, dims, ndims, rows, dtype = inputs
     ctx.world, ctx.numels, ctx.dims, ctx.ndims, ctx.rows = world, numels, dims, ndims, rows
-    ctx.moved, ctx.dtype = gathered.dtype, dtype
+    ctx.moved, ctx.dtype, ctx.device = gathered.dtype, dtype, gathered.device
 
 
 def _unpack_backward(ctx, grads):
     grads = [g if g is not None else  # a leaf the loss did not reach: zeros
-             torch.zeros([r, *shape[1:]], dtype=ctx.dtype, device=grads_device(grads))
+             torch.zeros([r, *shape[1:]], dtype=ctx.dtype, device=ctx.device)
              for g, shape, r in zip(grads, shapes_of(ctx.dims, ctx.ndims), ctx.rows)]
     return (lay(grads, ctx.world, ctx.numels, ctx.dims, ctx.ndims, ctx.rows, ctx.moved),
             None, None, None, None, None, None)
-
-
-def grads_device(grads: list) -> torch.device:
-    return next(g.device for g in grads if g is not None)
 
 
 @torch.library.custom_op("funshard::lay", mutates_args=())
