@@ -75,6 +75,20 @@ except (AttributeError, RuntimeError):
     MISSING.append("torch.ops._c10d_functional.{all_gather_into_tensor,wait_tensor}")
 
 
+# DTensor.redistribute(forward_dtype=, backward_dtype=) (public, newer torch): a gather in
+# the compute dtype whose gradient is reduced in another; without it the compiled step
+# gathers in the reduce dtype and casts after
+try:
+    import inspect as _inspect
+
+    from torch.distributed.tensor import DTensor as _DTensor
+
+    REDISTRIBUTE_DTYPES = "backward_dtype" in _inspect.signature(
+        _DTensor.redistribute).parameters
+except (ImportError, TypeError, ValueError):
+    REDISTRIBUTE_DTYPES = False
+
+
 def require(what: str) -> None:
     """Raise, naming the torch version and the missing symbols, if any is missing."""
     if MISSING:

@@ -291,3 +291,36 @@ def test_switching_between_compiled_and_eager_at_a_checkpoint(pools, tmp_path):
         assert diff <= 1e-5, (rank, diff)
         assert graphs == 0 and breaks == 0 and not recompiles, (rank, graphs, breaks,
                                                                   recompiles)
+
+
+def mixed_reduce(spec):
+    """Policy(param_dtype=bfloat16, reduce_dtype=float32) compiled: gathered in bfloat16,
+    reduced in float32 (as the eager step and FSDP2's MixedPrecisionPolicy do), as the eager
+    step trains; the collectives' dtypes read from the program's graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def record(gm, example_inputs):
+        for n in gm.graph.nodes:
+            name = getattr(n.target, "__name__", "")
+            if "all_gather_into_tensor" in name or "reduce_scatter_tensor" in name:
+                seen.append((name.split(".")[0], n.args[0].meta["val"].dtype))
+        return gm
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(4, world)
+    policy = fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, clip_norm=1.0)
+    eager = _run(spec, _loss, policy, False, batches)
+    compiled = _run(spec, _loss, policy, {"backend": aot_autograd(fw_compiler=record)},
+                    batches)
+    return (max(abs(a - b) for a, b in zip(eager[0], compiled[0])),
+            _max_diff(compiled[1], eager[1]), sorted(set(seen), key=str))
+
+
+def test_mixed_precision_gathers_in_bfloat16_and_reduces_in_float32(pools):
+    for rank, (dl, dp, seen) in enumerate(pools.run(2, mixed_reduce, timeout=600)):
+        assert dl <= 2e-2 and dp <= 2e-3, (rank, dl, dp)
+        assert seen == [("all_gather_into_tensor", torch.bfloat16),
+                        ("reduce_scatter_tensor", torch.float32)], seen

@@ -42,6 +42,13 @@ inductor program per step: no host work per op, no graph break. How the pieces m
   forward-backward pairs do not fit one program. Random draws (ops tagged
   ``nondeterministic_seeded``) in a recomputed region are kept from forward: the pass
   refuses to draw them again, and drawing again would not give the forward's numbers.
+- **Mixed precision.** A bucket whose gradient is reduced in another dtype than it is
+  gathered in (``param_dtype`` bfloat16, ``reduce_dtype`` float32) is gathered by
+  ``DTensor.redistribute(forward_dtype=, backward_dtype=)`` from ``Shard(0)`` to
+  ``Replicate()``, its gradient taken as ``Partial()``: the cast before the all-gather, the
+  gradient's cast back before the reduce-scatter, as SimpleFSDP gathers. (A plain gather
+  of the cast shards reduces in the gather's dtype: autograd casts a gradient to its
+  input's dtype before it reaches the all-gather's backward.)
 - **The reductions.** The reduce-scatter comes from autograd, summed over ranks; on a 2-D
   mesh one all-reduce over ``"replicate"`` follows, and replicated leaves (scalars) are
   all-reduced over every data-parallel rank; the mean divides by the data-parallel world.
@@ -53,7 +60,7 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -94,27 +101,32 @@ class Bucket(NamedTuple):
     idx: tuple[int, ...]  # tree positions
     dtype: torch.dtype  # what moves
     cast: torch.dtype  # what the leaves compute in (after the gather)
+    grad: torch.dtype  # what their gradient is reduced in
+    master: torch.dtype  # the shards' own
 
 
 def buckets_of(params: ParamGroups, policy, gi: int) -> list[Bucket]:
-    """Group ``gi``'s sharded leaves by the dtype they are gathered in. They move in the
-    compute dtype, unless ``reduce_dtype`` asks the gradient to be reduced in the
-    parameters' own dtype: then they move in it and are cast after the gather (the
-    reduce-scatter of their gradient is then in that dtype)."""
+    """Group ``gi``'s sharded leaves by the dtypes they are gathered and reduced in: they
+    move in the compute dtype and their gradients in ``reduce_dtype`` (or the compute
+    dtype); a torch without ``DTensor.redistribute``'s ``backward_dtype`` moves them in the
+    reduce dtype (the parameters' own) and casts after the gather."""
     out: dict[tuple, list[int]] = {}
     for i in params.members[gi]:
         lay, dt = params.layouts[i], params.dtypes[i]
         if not lay.sharded:
             continue
-        rd = policy.reduce_dtype
-        move = dt if rd is None or rd == dt or not dt.is_floating_point else lay.dtype
-        if rd is not None and dt.is_floating_point and rd not in (dt, lay.dtype):
-            raise NotImplementedError(
-                f"train_step(compile=True): reduce_dtype={rd} is neither the compute dtype "
-                f"({dt}) nor the dtype ({lay.dtype}) of {lay.path!r}; the compiled step "
-                "reduces in one of them. Use compile=False for this policy.")
-        out.setdefault((move, dt), []).append(i)
-    return [Bucket(tuple(idx), move, dt) for (move, dt), idx in out.items()]
+        rd = policy.reduce_dtype if dt.is_floating_point and policy.reduce_dtype else dt
+        move = dt
+        if rd != dt and not _compat.REDISTRIBUTE_DTYPES:
+            if rd != lay.dtype:
+                raise NotImplementedError(
+                    f"train_step(compile=True): reduce_dtype={rd} is neither the compute "
+                    f"dtype ({dt}) nor the dtype ({lay.dtype}) of {lay.path!r}, and torch "
+                    f"{torch.__version__}'s DTensor.redistribute has no backward_dtype. Use "
+                    "compile=False for this policy.")
+            move = rd
+        out.setdefault((move, dt, rd, lay.dtype), []).append(i)
+    return [Bucket(tuple(idx), *key) for key, idx in out.items()]
 
 
 class Program:
@@ -135,6 +147,7 @@ class Program:
         self.shard_group = mesh.get_group(names.index(SHARD)).group_name
         self.replicate_group = (mesh.get_group(names.index(REPLICATE)).group_name
                                 if REPLICATE in names else None)
+        self.shard_mesh = mesh[SHARD] if mesh.ndim > 1 else mesh
         self.world = mesh.size()
         self.alone = collectives.skips(self.world)  # a world of one: no collective at all
         self.trainable = [i for i, t in enumerate(params.trainable) if t]
@@ -159,8 +172,15 @@ class Program:
                 continue
             lays_b = [lays[i] for i in b.idx]
             numels = [x.padded_numel for x in lays_b]
-            flat = packing.pack([local[i] for i in b.idx], numels, b.dtype)
-            got = _compat.all_gather(flat, 0, self.shard_group)
+            if b.grad == b.dtype:  # gathered and reduced in one dtype
+                flat = packing.pack([local[i] for i in b.idx], numels, b.dtype)
+                got = _compat.all_gather(flat, 0, self.shard_group)
+            else:  # cast on the way, its gradient cast back before the reduce-scatter
+                flat = packing.pack([local[i] for i in b.idx], numels, b.master)
+                got = DTensor.from_local(flat, self.shard_mesh, [Shard(0)], run_check=False
+                                         ).redistribute(
+                    self.shard_mesh, [Replicate()], forward_dtype=b.dtype,
+                    backward_dtype=b.grad).to_local(grad_placements=[Partial()])
             full.update(zip(b.idx, packing.unpack(
                 got, lays_b[0].world, numels, [d for x in lays_b for d in x.padded_shape],
                 [len(x.padded_shape) for x in lays_b], [x.rows for x in lays_b], b.cast)))
