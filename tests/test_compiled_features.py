@@ -175,7 +175,7 @@ def test_a_world_of_one_runs_no_collective_unless_forced(pools, forced):
     """Alone, the program gathers nothing (the shard is the whole); forced (one GPU
     standing in for many), every group's collectives are in it, as on two ranks."""
     for counts, graphs, groups, programs in pools.run(1, world_of_one, forced, timeout=900):
-        assert programs == 1 and graphs == [1, 1, 1], (programs, graphs)
+        assert programs == 1 and graphs == [1, 1, 1, 1], (programs, graphs)
         if forced:
             assert counts.get("all_gather_into_tensor") == 1 + 2 * (groups - 1), counts
             assert counts.get("reduce_scatter_tensor") == groups, counts

@@ -2,22 +2,23 @@
 program (see [Note: the step as one program] in :mod:`funshard.step.program`).
 
 [Note: the compiled step's first step] The first step of each batch signature (the tree
-of the batch's shapes and dtypes) runs eagerly: it trains exactly as the eager step does,
-makes its checks (unreached leaves, the ranks' order, the loss's kind), and shows which
-modules ``loss_fn`` enters through ``fs.call`` and which leaves the loss reaches. The
-second compiles the program for that signature, with ``fullgraph=True``; from the third on
-it runs, and a step that would compile it again (a guard failed: something the program
-read from Python changed) is refused, naming dynamo's reason, where compiling again would
-hide the change. A leaf the eager step found unreached stays without a gradient in the
-program for that signature (the program is the same function of the same inputs).
-
-A ``loss_fn`` that dynamo cannot trace whole is refused at its first compiled step with
-dynamo's reason and the user's line, the state unchanged; ``compile={"fallback":
-"eager"}`` runs such a signature eagerly instead, with a warning.
+of the batch's shapes and dtypes) computes its gradients eagerly: it trains exactly as the
+eager step does, makes its checks (unreached leaves, the ranks' order, the loss's kind),
+and shows which modules ``loss_fn`` enters through ``fs.call`` and which leaves the loss
+reaches. Before its update, the same step compiles the program for that signature
+(``fullgraph=True``) and runs it once on the same micro-batch, its result set aside (and
+the buffers it would write, copies): a ``loss_fn`` that dynamo cannot trace whole is
+refused there, at the first step, with dynamo's reason and the user's line and the state
+unchanged; ``compile={"fallback": "eager"}`` runs such a signature eagerly instead, with a
+warning. From the second step the program runs, and a step that would compile it again (a
+guard failed: something the program read from Python changed) is refused, naming dynamo's
+reason, where compiling again would hide the change. A leaf the eager step found
+unreached stays without a gradient in the program for that signature (the program is the
+same function of the same inputs).
 
 ``eval_step(fn, compile=True)`` is the same machinery without gradients: its first call
-per signature of the arguments runs eagerly and shows the modules, later ones run ``fn``'s
-program under ``torch.no_grad()``.
+per signature of the arguments runs eagerly, shows the modules and tries the program,
+later ones run ``fn``'s program under ``torch.no_grad()``.
 
 The update (the metrics, the non-finite rule, clipping and the optimizer) runs after the
 program, as the eager step runs it: the state, metrics, checkpoints and state dicts are the
@@ -152,12 +153,16 @@ class Compiled:
         one backward region per graph.) ``scale``: the state's loss scale (None: none)."""
         parts = batches.split(batch, self.policy.accumulate)
         keys = [self._key(params, [mb], bufs) for mb in parts]
-        if any(k not in self.entries for k in keys):
-            return self._first(params, leaves, keys, eager)
-        total = count = summed = None
-        auxes: list = []
         factor = None if scale is None else torch.full(  # as scaling.scaled makes it
             (), scale.scale, dtype=torch.float32, device=params.device)
+        if any(k not in self.entries for k in keys):
+            new = {k: mb for k, mb in zip(keys, parts) if k not in self.entries}
+            out = self._first(params, leaves, keys, eager)
+            for key, mb in new.items():  # compiled now: refused at the first step
+                self._traced(key, leaves, pytree.tree_map(_copy, bufs), ([mb], factor))
+            return out
+        total = count = summed = None
+        auxes: list = []
         for j, (key, mb) in enumerate(zip(keys, parts)):
             out = self._traced(key, leaves, bufs, ([mb], factor), first_part=j == 0)
             if out is _EAGER:
@@ -182,7 +187,9 @@ class Compiled:
         after."""
         key = self._key(params, (args, kwargs), bufs)
         if key not in self.entries:
-            return self._first(params, leaves, [key], eager)
+            out = self._first(params, leaves, [key], eager)
+            self._traced(key, leaves, pytree.tree_map(_copy, bufs), (args, kwargs))  # tried
+            return out
         out = self._traced(key, leaves, bufs, (args, kwargs))
         return eager() if out is _EAGER else out
 
@@ -261,6 +268,12 @@ class Compiled:
                     f"funshard.step.program). {type(e).__name__}: {e}") from e
         entry.ran[0] = True
         return out
+
+
+def _copy(x: Any) -> Any:
+    """A buffer's copy for the first step's trial run (the step's own copies keep what the
+    eager run wrote)."""
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def _module_of(params: ParamGroups, gi: int, name: str, modules: list):
