@@ -19,7 +19,7 @@ Every mode moves its bytes on the backend's collectives. Graphs and graph breaks
 dynamo's counters after the warm-up and after the timed rounds (equal: no recompile).
 
     python -m benchmarks.compiled_step --shapes A,B,C --rounds 6
-    python -m benchmarks.compiled_step --host --rounds 10
+    python -m benchmarks.compiled_step --host --rounds 10 [--device cuda --cudagraphs]
 """
 
 from __future__ import annotations
@@ -67,6 +67,19 @@ def _gather(obj):
     return out
 
 
+def _probe(cfg: Config, fn) -> int:
+    """Bytes a step adds at its peak: the GPU allocator's peak over what is allocated at
+    its start, or the CPU's resident high-water mark (:func:`rss_step`)."""
+    if cfg.device != "cuda":
+        return rss_step(fn)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def run_rank(cfg: Config, rounds: int) -> dict:
     """Every mode of ``cfg`` on this rank: warm-up (the compiled step's eager first step and
     its compiling second), ``rounds`` interleaved timed rounds of ``cfg.steps`` steps, then
@@ -84,18 +97,21 @@ def run_rank(cfg: Config, rounds: int) -> dict:
         warm_s[m] = time.perf_counter() - t0
     graphs = [counters["stats"]["unique_graphs"]]
     times: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     for r in range(rounds):
         for m, run in runners.items():
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             for i in range(cfg.steps):
                 run.step(data[(r + i) % len(data)])
+            sync()
             times[m].append((time.perf_counter() - t0) / cfg.steps * 1e3)
     graphs.append(counters["stats"]["unique_graphs"])
     mem = {}
     for m, run in runners.items():
         dist.barrier()
-        mem[m] = rss_step(lambda: run.step(data[0]))
+        mem[m] = _probe(cfg, lambda: run.step(data[0]))
     state = sum(p.numel() for p in base.parameters()) * 4 * 3 // cfg.world
     return {"times": _gather(times), "mem": _gather(mem), "warm_s": warm_s, "graphs": graphs,
             "breaks": sum(counters["graph_break"].values()), "state": state}
@@ -136,23 +152,30 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=1, help="steps per mode per round")
     ap.add_argument("--backend", default="inductor", help="torch.compile's backend")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: memory is the allocator's peak; --shapes needs 2 GPUs")
+    ap.add_argument("--cudagraphs", action="store_true",
+                    help="--host also runs the compiled step with mode='reduce-overhead'")
     a = ap.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_step
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, backend {a.backend}")
     for name in filter(None, a.shapes.split(",")):
         cfg = dataclasses.replace(Config(world=2, threads=1, warmup=3, steps=a.steps,
-                                         modes=SHAPE_MODES, compile_backend=a.backend),
+                                         modes=SHAPE_MODES, compile_backend=a.backend,
+                                         device=a.device),
                                   **shapes.SHAPES[name])
         res = launch(run_rank, cfg, a.rounds)
         print(f"\n## {shapes.LABELS[name]}, 2 ranks, FULL_SHARD, AdamW\n\n"
               f"{table(res, SHAPE_MODES, 'funshard_full')}", flush=True)
     if a.host:
+        modes = HOST_MODES + (("funshard_full_compiled_cudagraphs",) if a.cudagraphs else ())
         cfg = dataclasses.replace(
-            host_config(Config(precision="bf16", threads=1, compile_backend=a.backend)),
-            modes=HOST_MODES, warmup=3, steps=max(a.steps, 20))
+            host_config(Config(precision="bf16", threads=1, compile_backend=a.backend,
+                               device=a.device)),
+            modes=modes, warmup=3, steps=max(a.steps, 20))
         res = launch(run_rank, cfg, a.rounds)
-        print(f"\n## host-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16\n\n"
-              f"{table(res, HOST_MODES, 'floor_compile')}", flush=True)
+        print(f"\n## host-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, {a.device}"
+              f"\n\n{table(res, modes, 'floor_compile')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ mode's training step over a copy.
     funshard_full_ac / fsdp2_full_ac   activation checkpointing per block (not by default)
     funshard_full_compile / fsdp2_full_compile   torch.compile on (not by default)
     funshard_full_compiled / _grad_op_compiled   fs.train_step(compile=True): the step as one
-                                       compiled program (not by default)
+                                       compiled program (not by default); _cudagraphs:
+                                       with torch.compile's mode="reduce-overhead"
     floor_compile                      the floor with ``model.compile()`` (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
@@ -50,7 +51,9 @@ MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          # fully_shard), with Config.compile_backend
          "funshard_full_compile", "fsdp2_full_compile",
          # train_step(compile=True) (Config.compile_backend); the floor with model.compile()
-         "funshard_full_compiled", "funshard_grad_op_compiled", "floor_compile")
+         "funshard_full_compiled", "funshard_grad_op_compiled", "floor_compile",
+         # the same with torch.compile(mode="reduce-overhead"): CUDA graphs (GPU)
+         "funshard_full_compiled_cudagraphs")
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
         "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac",
@@ -59,6 +62,13 @@ TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_grad_op_compiled": "fsdp2_full_compile"}
 # the transport each mode's fs.train_step uses: the backend's collectives unless named
 EXTRA_TRANSPORTS = {"funshard_full_cma": "cma", "funshard_full_p2p": "p2p"}
+
+
+def compiled_options(name: str, cfg) -> dict | bool:
+    """``train_step``'s ``compile=`` for a funshard mode: off, the backend, or CUDA graphs."""
+    if name.endswith("_cudagraphs"):
+        return {"mode": "reduce-overhead"}
+    return {"backend": cfg.compile_backend} if name.endswith("_compiled") else False
 
 
 def transport_of(mode: str) -> str:
@@ -166,7 +176,8 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
     """One mode's training step over a private copy of ``base``."""
     scaled = cfg.precision == "fp16"  # each mode with its own GradScaler's rule
     if name.startswith("funshard"):
-        raf = not name.removesuffix("_compiled").endswith("grad_op")
+        raf = not name.removesuffix("_cudagraphs").removesuffix("_compiled").endswith(
+            "grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]
         params = shard(dict(base.named_parameters()), mesh)  # local shards are copies
         with torch.device("meta"):  # fs.call needs only the structure
@@ -182,8 +193,7 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
                                         checkpoint=name.endswith("_ac"), **mixed(cfg),
                                         transport=transport_of(name),
                                         loss_scale="dynamic" if scaled else None),
-                          compile={"backend": cfg.compile_backend}
-                          if name.endswith("_compiled") else False)
+                          compile=compiled_options(name, cfg))
         box, info = [step.init(params)], {}
 
         def run(batch):

@@ -8,6 +8,9 @@
 #                                                     # stand-ins, funshard (benchmarks/host_floor.py)
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh bench     # the default benchmark at world 1, with
 #                                                     # the overlap profile (collectives forced)
+#   FUNSHARD_PY=python3 bash scripts/gpu.sh compiled  # train_step(compile=True) at world 1:
+#                                                     # host-bound GPT, with CUDA graphs, and
+#                                                     # with the collectives forced
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh demo      # the demo on one GPU, briefly
 #   FUNSHARD_PY=python3 bash scripts/gpu.sh all       # every stage, in that order
 #
@@ -57,12 +60,19 @@ run() {
     floor) stage floor "$PY" -m benchmarks.host_floor --device cuda ;;
     bench) FUNSHARD_FORCE_COLLECTIVES=1 stage bench "$PY" -m benchmarks.bench --device cuda \
              --world 1 --profile funshard_full --json "$OUT/bench.json" ;;
+    compiled) local rc=0
+              stage compiled "$PY" -m benchmarks.compiled_step --host --device cuda \
+                --cudagraphs --rounds 10 || rc=1
+              FUNSHARD_FORCE_COLLECTIVES=1 stage compiled_forced "$PY" -m \
+                benchmarks.compiled_step --host --device cuda --rounds 10 || rc=1
+              return "$rc" ;;
     demo) stage demo bash scripts/demo.sh --device cuda --nproc 1 --mesh 1x1 --steps 60 \
             --no-progress --out "$(mktemp -d)/demo-run" ;;  # its log only: few files in $OUT
     all) local rc=0
-         for s in info lane single floor bench demo; do run "$s" || rc=1; done
+         for s in info lane single floor bench compiled demo; do run "$s" || rc=1; done
          return "$rc" ;;
-    *) echo "gpu.sh: unknown stage '$1' (info, lane, single, floor, bench, demo, all)" >&2; return 2 ;;
+    *) echo "gpu.sh: unknown stage '$1' (info, lane, single, floor, bench, compiled, demo," \
+            "all)" >&2; return 2 ;;
   esac
 }
 
