@@ -147,10 +147,12 @@ class Compiled:
 
     def grads(self, params: ParamGroups, leaves: list, bufs: Any, batch: Any,
               eager: Callable[[], update.Grads], scale=None) -> update.Grads:
-        """The step's reduced gradients: ``eager()`` on a signature's first step, then the
-        program of each micro-batch's signature, once per micro-batch, their sums. (One
-        program per micro-batch: AOTAutograd's pass that gathers again in backward takes
-        one backward region per graph.) ``scale``: the state's loss scale (None: none)."""
+        """The step's reduced gradients: ``eager()`` on a signature's first step (which
+        then compiles the program and tries it once: [Note: the compiled step's first
+        step]), then the program of each micro-batch's signature, once per micro-batch,
+        their sums. (One program per micro-batch: AOTAutograd's pass that gathers again in
+        backward takes one backward region per graph.) ``scale``: the state's loss scale
+        (None: none)."""
         parts = batches.split(batch, self.policy.accumulate)
         keys = [self._key(params, [mb], bufs) for mb in parts]
         factor = None if scale is None else torch.full(  # as scaling.scaled makes it
@@ -161,6 +163,8 @@ class Compiled:
             for key, mb in new.items():  # compiled now: refused at the first step
                 self._traced(key, leaves, pytree.tree_map(_copy, bufs), ([mb], factor))
             return out
+        if any(self.entries[k].program is None for k in keys):  # before any part runs
+            return eager()
         total = count = summed = None
         auxes: list = []
         for j, (key, mb) in enumerate(zip(keys, parts)):
@@ -257,7 +261,7 @@ class Compiled:
                     "inputs of the same shapes: something it read from Python changed "
                     f"since it was traced. torch.compile says: {e}") from e
             except _compat.DynamoError:
-                raise  # not traceable: see _call
+                raise  # not traceable: see _traced
             except Exception as e:
                 if entry.ran[0]:
                     raise
