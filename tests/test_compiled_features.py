@@ -324,3 +324,39 @@ def test_mixed_precision_gathers_in_bfloat16_and_reduces_in_float32(pools):
         assert dl <= 2e-2 and dp <= 2e-3, (rank, dl, dp)
         assert seen == [("all_gather_into_tensor", torch.bfloat16),
                         ("reduce_scatter_tensor", torch.float32)], seen
+
+
+def uneven_micro_batches(spec, steps=3):
+    """fs.MicroBatches of two shapes (sequences of 8 and 5 tokens) under accumulate=2: a
+    program per micro-batch shape, each tried at the first step; equal to the eager step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(steps, world)
+
+    def mine(x, y):
+        x, y = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
+        return fs.MicroBatches([(x, y), (x[:, :5], y[:, :5])])
+
+    out = {}
+    for name, compile in (("eager", False), ("compiled", AOT)):
+        counters.clear()
+        model = _gpt()
+        step = fs.train_step(_mean_loss(model), fs.optim.adamw(LR),
+                             policy=fs.Policy(accumulate=2), compile=compile)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        losses = []
+        for x, y in batches:
+            state, m = step(state, mine(x, y))
+            losses.append(float(m["loss"]))
+        out[name] = (losses, {k: v.clone() for k, v in fs.unshard(state.params).items()},
+                     counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    (el, ep, _), (cl, cp, graphs) = out["eager"], out["compiled"]
+    return max(abs(a - b) for a, b in zip(el, cl)), _max_diff(cp, ep), graphs
+
+
+def test_micro_batches_of_two_shapes_compile_one_program_each(pools):
+    for rank, (dl, dp, graphs) in enumerate(pools.run(2, uneven_micro_batches, timeout=600)):
+        assert dl <= 1e-5 and dp <= 1e-5 and graphs == 2, (rank, dl, dp, graphs)
