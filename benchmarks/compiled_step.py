@@ -154,19 +154,23 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="inductor", help="torch.compile's backend")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: memory is the allocator's peak; --shapes needs 2 GPUs")
+    ap.add_argument("--modes", default="",
+                    help="--shapes: these modes instead (comma-separated; the first is the "
+                         "ratios' base), e.g. funshard_grad_op,funshard_grad_op_compiled")
     ap.add_argument("--cudagraphs", action="store_true",
                     help="--host also runs the compiled step with mode='reduce-overhead'")
     a = ap.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_step
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, backend {a.backend}")
+    modes = tuple(filter(None, a.modes.split(","))) or SHAPE_MODES
     for name in filter(None, a.shapes.split(",")):
         cfg = dataclasses.replace(Config(world=2, threads=1, warmup=3, steps=a.steps,
-                                         modes=SHAPE_MODES, compile_backend=a.backend,
+                                         modes=modes, compile_backend=a.backend,
                                          device=a.device),
                                   **shapes.SHAPES[name])
         res = launch(run_rank, cfg, a.rounds)
-        print(f"\n## {shapes.LABELS[name]}, 2 ranks, FULL_SHARD, AdamW\n\n"
-              f"{table(res, SHAPE_MODES, 'funshard_full')}", flush=True)
+        print(f"\n## {shapes.LABELS[name]}, 2 ranks, AdamW\n\n"
+              f"{table(res, modes, modes[0])}", flush=True)
     if a.host:
         modes = HOST_MODES + (("funshard_full_compiled_cudagraphs",) if a.cudagraphs else ())
         cfg = dataclasses.replace(
