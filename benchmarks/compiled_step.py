@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import statistics
 import time
@@ -37,41 +36,21 @@ from torch._dynamo.utils import counters
 
 from . import shapes
 from .bench import host_config
+from .compiled_candidates import rss_peak
 from .launch import launch
+from .measure import _gather
 from .modes import Config, batches, build_mode, build_model, meshes_for
 
 SHAPE_MODES = ("funshard_full", "funshard_full_compiled", "fsdp2_full", "fsdp2_full_compile")
 HOST_MODES = ("floor", "floor_compile", "funshard_full", "funshard_full_compiled")
 
 
-def _status(key: str) -> int:  # bytes
-    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status")
-                if ln.startswith(key + ":"))
-
-
-def rss_step(fn) -> int:
-    """Resident high-water mark over ``fn`` minus the resident size before it."""
-    gc.collect()
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    fn()
-    return _status("VmHWM") - before
-
-
-def _gather(obj):
-    if dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _probe(cfg: Config, fn) -> int:
     """Bytes a step adds at its peak: the GPU allocator's peak over what is allocated at
-    its start, or the CPU's resident high-water mark (:func:`rss_step`)."""
+    its start, or the CPU's resident high-water mark
+    (:func:`benchmarks.compiled_candidates.rss_peak`)."""
     if cfg.device != "cuda":
-        return rss_step(fn)
+        return rss_peak(fn)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -160,7 +139,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cudagraphs", action="store_true",
                     help="--host also runs the compiled step with mode='reduce-overhead'")
     a = ap.parse_args(argv)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_step
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_peak
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, backend {a.backend}")
     modes = tuple(filter(None, a.modes.split(","))) or SHAPE_MODES
     for name in filter(None, a.shapes.split(",")):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import funshard as fs
 from funshard.collectives import force_collectives
 from funshard.testing import mesh
-from test_compiled_step import CFG, LR, _batches, _gpt, _loss, _max_diff, compiled_collectives
+from test_compiled_step import (LR, _batches, _gpt, _loss, _max_diff, compiled_collectives,
+                                hf_runs)
 
 AOT = {"backend": "aot_eager"}
 
@@ -130,28 +131,10 @@ def t5_parity(spec, steps=3, per_rank=2):
     """T5 (tied embeddings, encoder and decoder blocks) compiled against its eager step."""
     from test_hf import _t5
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
+    world = dist.get_world_size()
     ids = [torch.randint(0, 64, (world * per_rank, 8), generator=g) for _ in range(steps)]
-    out = {}
-    for name, compile in (("eager", False), ("compiled", AOT)):
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        model = _t5()
-        step = fs.train_step(lambda p, b: fs.call(model, p, input_ids=b, labels=b,
-                                                  use_cache=False).loss,
-                             fs.optim.adamw(LR), compile=compile)
-        state = step.init(fs.shard(fs.params(model), mesh(spec)))
-        losses = []
-        for x in ids:
-            state, metrics = step(state, x[rank * per_rank:(rank + 1) * per_rank])
-            losses.append(float(metrics["loss"]))
-        out[name] = (losses, {k: v.detach().clone() for k, v in
-                              fs.unshard(state.params).items()},
-                     counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
-    torch._dynamo.reset()
+    out = hf_runs(spec, _t5, ids)
     gc.collect()
     return out
 
@@ -159,8 +142,8 @@ def t5_parity(spec, steps=3, per_rank=2):
 def test_compiled_step_trains_t5_as_its_eager_step(pools):
     pytest.importorskip("transformers")
     for rank, r in enumerate(pools.run(2, t5_parity, timeout=600)):
-        (el, ep, _, _), (cl, cp, graphs, breaks) = r["eager"], r["compiled"]
-        assert breaks == 0 and graphs == 1, (rank, graphs, breaks)
+        (el, ep), (cl, cp) = r["eager"], r["compiled"]
+        assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r["graphs"], r["breaks"])
         assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
         assert _max_diff(cp, ep) <= 1e-5, (rank, _max_diff(cp, ep))
 
@@ -309,8 +292,7 @@ def mixed_reduce(spec):
         return gm
 
     torch._dynamo.reset()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = _batches(4, world)
+    batches = _batches(4, dist.get_world_size())
     policy = fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, clip_norm=1.0)
     eager = _run(spec, _loss, policy, False, batches)
     compiled = _run(spec, _loss, policy, {"backend": aot_autograd(fw_compiler=record)},

@@ -7,7 +7,6 @@ backward (2 all-gathers and 1 reduce-scatter per group, counted in inductor's pr
 when the caller asked for that. Numbers tests compile with ``aot_eager`` (AOTAutograd's
 graphs run op by op: seconds); the collective counts come from inductor's program."""
 
-import copy
 import gc
 import re
 
@@ -180,30 +179,39 @@ def _llama():
     return LlamaForCausalLM(cfg)
 
 
-def llama_parity(spec, steps=3):
-    """A Hugging Face Llama (config in code) compiled, eager and in one process."""
+def hf_runs(spec, build, ids):
+    """A Hugging Face model from ``build`` (labels = inputs, no cache) trained eagerly and
+    compiled (``aot_eager``) on this rank's rows of each batch of ``ids``: per run the
+    losses and full parameters; the compiled run's dynamo graphs and breaks."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = _batches(steps, world)
-    per = batches[0][0].shape[0] // world
+    per = ids[0].shape[0] // world
     out = {}
     for name, compile in (("eager", False), ("compiled", {"backend": "aot_eager"})):
-        model = _llama()
+        torch._dynamo.reset()
+        counters.clear()
+        model = build()
         step = fs.train_step(lambda p, b: fs.call(model, p, input_ids=b, labels=b,
                                                      use_cache=False).loss,
                              fs.optim.adamw(LR), compile=compile)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
-        counters.clear()
         losses = []
-        for x, _ in batches:
+        for x in ids:
             state, metrics = step(state, x[rank * per:(rank + 1) * per])
-            losses.append(metrics["loss"])
+            losses.append(float(metrics["loss"]))
         out[name] = losses, {k: v.detach().clone() for k, v in
                              fs.unshard(state.params).items()}
     out["graphs"] = counters["stats"]["unique_graphs"]
     out["breaks"] = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return out
+
+
+def llama_parity(spec, steps=3):
+    """A Hugging Face Llama (config in code) compiled, eager and in one process."""
+    batches = _batches(steps, dist.get_world_size())
+    out = hf_runs(spec, _llama, [x for x, _ in batches])
     ref = _llama()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses = []

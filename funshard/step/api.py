@@ -206,6 +206,7 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
                            else ([], [], None))
     if bufs is not None and params.schedule is None and not direct:  # not init's state?
         buffers_.check_dtypes(params, state.buffers, where="train_step")
+
     def eager() -> update.Grads:
         return _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
                               state.loss_scale)
