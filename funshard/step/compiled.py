@@ -110,6 +110,15 @@ def _fresh(name: str) -> Callable:
     return types.FunctionType(code, _call_program.__globals__, name)
 
 
+def _inputs(program, leaves: list) -> list:
+    """The program's shard inputs: the trainable ones fresh leaves that require grad
+    (dynamo on torch 2.11 cannot make a graph's own tensor require grad)."""
+    if not program.train:
+        return [d._local_tensor for d in leaves]
+    return [d._local_tensor.detach().requires_grad_(t)
+            for d, t in zip(leaves, program.params.trainable)]
+
+
 def _call_program(program, shards, bufs, inputs):
     return program(shards, bufs, inputs)
 
@@ -254,7 +263,7 @@ class Compiled:
         grad = _compat.tracing_autograd() if self.train else torch.no_grad()
         with _patched(entry.patches), in_program(self.policy), grad, stance:
             try:
-                out = entry.fn(entry.program, [d._local_tensor for d in leaves], bufs, inputs)
+                out = entry.fn(entry.program, _inputs(entry.program, leaves), bufs, inputs)
             except _compat.RecompileError as e:
                 raise RuntimeError(
                     f"{self.where}(compile=True): the program would be compiled again for "

@@ -103,6 +103,14 @@ class Bucket(NamedTuple):
     cast: torch.dtype  # what the leaves compute in (after the gather)
     grad: torch.dtype  # what their gradient is reduced in
     master: torch.dtype  # the shards' own
+    # what packing and unpacking take, plain ints read once here: the program reads no
+    # Layout property while traced (dynamo on torch 2.11 guards a cached_property's first
+    # read as missing, then fails its own guard)
+    world: int
+    numels: tuple[int, ...]  # each leaf's padded chunk
+    dims: tuple[int, ...]  # the padded full shapes, flat
+    ndims: tuple[int, ...]
+    rows: tuple[int, ...]
 
 
 def buckets_of(params: ParamGroups, policy, gi: int) -> list[Bucket]:
@@ -126,7 +134,14 @@ def buckets_of(params: ParamGroups, policy, gi: int) -> list[Bucket]:
                     "compile=False for this policy.")
             move = rd
         out.setdefault((move, dt, rd, lay.dtype), []).append(i)
-    return [Bucket(tuple(idx), *key) for key, idx in out.items()]
+    buckets = []
+    for key, idx in out.items():
+        lays = [params.layouts[i] for i in idx]
+        buckets.append(Bucket(
+            tuple(idx), *key, lays[0].world, tuple(x.padded_numel for x in lays),
+            tuple(d for x in lays for d in x.padded_shape),
+            tuple(len(x.padded_shape) for x in lays), tuple(x.rows for x in lays)))
+    return buckets
 
 
 class Program:
@@ -170,8 +185,7 @@ class Program:
             if self.alone:  # the shard is the whole: the cast is the gather
                 full.update((i, local[i].to(b.cast)) for i in b.idx)
                 continue
-            lays_b = [lays[i] for i in b.idx]
-            numels = [x.padded_numel for x in lays_b]
+            numels = list(b.numels)
             if b.grad == b.dtype:  # gathered and reduced in one dtype
                 flat = packing.pack([local[i] for i in b.idx], numels, b.dtype)
                 got = _compat.all_gather(flat, 0, self.shard_group)
@@ -182,8 +196,7 @@ class Program:
                     self.shard_mesh, [Replicate()], forward_dtype=b.dtype,
                     backward_dtype=b.grad).to_local(grad_placements=[Partial()])
             full.update(zip(b.idx, packing.unpack(
-                got, lays_b[0].world, numels, [d for x in lays_b for d in x.padded_shape],
-                [len(x.padded_shape) for x in lays_b], [x.rows for x in lays_b], b.cast)))
+                got, b.world, numels, list(b.dims), list(b.ndims), list(b.rows), b.cast)))
         return full
 
     def block(self, gi: int, *args, **kwargs):
@@ -222,8 +235,7 @@ class Program:
         ``scale``: the loss scale, a float32 scalar (None: none), an input of the program,
         so that a new scale is not a new program."""
         p = self.params
-        leaves = [s.detach().requires_grad_(True) if t else s.detach()
-                  for s, t in zip(shards, p.trainable)]
+        leaves = list(shards)  # the trainable ones require grad (Compiled._run)
         total = count = summed = None
         auxes = []
         for mb in parts:  # each micro-batch gathers again, as the eager step's do
