@@ -44,6 +44,8 @@ POLICIES = {
     # torch.compile(loss_fn): inductor (Triton kernels) on GPUs; aot_eager on the CPU, where
     # inductor would compile C++ for minutes (tests/test_compile.py covers the CPU)
     "compile": {"_compile": True},
+    # train_step(compile=...): the whole step as one program (the same backends)
+    "compiled_step": {"_program": True},
 }
 COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 
@@ -75,6 +77,7 @@ def step_equals_one_process(spec, policy, force=True):
     policy = dict(policy)
     fused = policy.pop("_fused", False)
     compiled = policy.pop("_compile", False)
+    program = policy.pop("_program", False)
     with forced(world, force):
         model = _gpt(dev)
         ref = copy.deepcopy(model)
@@ -82,8 +85,11 @@ def step_equals_one_process(spec, policy, force=True):
         if compiled:
             torch._dynamo.reset()
             loss_fn = torch.compile(loss_fn, backend=COMPILE_BACKEND)
+        if program:
+            torch._dynamo.reset()
         step = fs.train_step(loss_fn, fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
-                             policy=fs.Policy(**policy))
+                             policy=fs.Policy(**policy),
+                             compile={"backend": COMPILE_BACKEND} if program else False)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1,
                                 **({"fused": True} if fused else {"foreach": True}))
@@ -91,7 +97,8 @@ def step_equals_one_process(spec, policy, force=True):
         for _ in range(2):
             b = _batch(g, world, dev)
             # a dispatch mode (the counter) would make dynamo run loss_fn eagerly
-            with contextlib.nullcontext(None) if compiled else CountCollectives() as cc:
+            quiet = compiled or program
+            with contextlib.nullcontext(None) if quiet else CountCollectives() as cc:
                 state, metrics = step(state, _local(b, rank))
             loss = F.cross_entropy(ref(b[0]).flatten(0, 1), b[1].flatten())
             opt.zero_grad()
@@ -102,7 +109,7 @@ def step_equals_one_process(spec, policy, force=True):
         full = fs.unshard(state.params)
         err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
         where = {t.device.type for t in fs.pytree.leaves(state) if isinstance(t, torch.Tensor)}
-        if compiled:  # dynamo captured graphs: the compute ran compiled, not eagerly
+        if compiled or program:  # dynamo captured graphs: the compute ran compiled
             from torch._dynamo.utils import counters
             assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
         return err, abs(metrics["loss"] - loss.item()), cc and dict(cc.counts), where
@@ -123,7 +130,7 @@ def test_step_equals_one_process(pools, spec, policy):
 
 
 @pytest.mark.parametrize("policy", ["full", "accumulate_clip", "checkpoint", "fused_adamw",
-                                    "compile"])
+                                    "compile", "compiled_step"])
 def test_one_device_as_a_user_runs_it(pools, policy):
     """A world of one with its collectives not forced, as on a single GPU: nothing to gather,
     the parameters are autograd leaves on the shards (Group.alias), no collective runs."""
@@ -131,7 +138,7 @@ def test_one_device_as_a_user_runs_it(pools, policy):
                                              False)[0]
     assert err < TOL and loss_err < TOL, (err, loss_err)
     assert where == {DEVICE}, where
-    assert counts == {} or (counts is None and policy == "compile"), counts
+    assert counts == {} or (counts is None and policy.startswith("compile")), counts
 
 
 def mixed_precision_vs_fsdp2(spec):

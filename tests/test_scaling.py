@@ -87,8 +87,13 @@ def test_dynamic_loss_scale_is_torchs_grad_scaler(pools, spec):
         skips = sum(s for s, _ in ours)
         assert 1 <= skips <= 5 and counts == (6, skips), (ours, counts)  # overflows happened
         assert ls == LossScale(ours[-1][1], 6 - ours.index((0, ours[-1][1]))), (ls, ours)
-        tol = 1e-6 if DEVICE == "cpu" else 1e-4  # (GPU kernels may sum in another order)
-        assert err < tol and norm_err < 1e-5, (err, norm_err)  # unscaled, as GradScaler
+        # the gradient norm, unscaled as GradScaler's: a wrong unscale is off by a power of 2
+        assert norm_err < (1e-5 if DEVICE == "cpu" else 1e-3), norm_err
+        # the parameters: the CPU runs one process's float16 kernels, bit for bit. On a GPU
+        # the float16 kernels may round otherwise than one process's (7e-5 in the norm on an
+        # H100, 0.014 in the parameters after 6 steps), and Adam's normalised update turns a rounding flip of a near-zero
+        # gradient into a move of about lr (1e-2) per applied step: there the bound is that
+        assert err < (1e-6 if DEVICE == "cpu" else 2e-2 * (6 - skips)), err
 
 
 def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools):
