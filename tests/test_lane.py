@@ -329,17 +329,26 @@ def test_the_cuda_lane_without_a_gpu_skips_saying_why():
 
 
 def test_the_gpu_script_without_a_gpu_refuses(tmp_path):
-    """``scripts/gpu.sh``, the GPU session's checks: each stage logs under $OUT with its exit
-    status, and where torch sees no GPU the lane stage fails saying so (exit 3); an unknown
-    stage or no FUNSHARD_PY is refused."""
+    """``scripts/gpu.sh``, the GPU session's checks: each stage logs to $OUT/gpu.log with its
+    exit status, and where torch sees no GPU the lane stage fails saying so (exit 3); stages
+    named with commas run in turn, each under $FUNSHARD_STAGE_CAP; an unknown stage or no
+    FUNSHARD_PY is refused."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: gpu.sh runs for real there")
     env = dict(os.environ, FUNSHARD_PY=sys.executable, OUT=str(tmp_path))
     env.pop("FUNSHARD_LANE_NO_GPU_OK", None)
     lane = subprocess.run(["bash", "scripts/gpu.sh", "lane"], capture_output=True, text=True,
                           env=env, timeout=60, cwd=ROOT)
-    log = (tmp_path / "lane.txt").read_text()
+    log = (tmp_path / "gpu.log").read_text()
     assert lane.returncode == 3 and "sees no CUDA GPU" in log and "== lane: exit 3" in log, log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.log"]
+    capped = subprocess.run(["bash", "scripts/gpu.sh", "lane,nope"], capture_output=True,
+                            text=True, env=dict(env, FUNSHARD_STAGE_CAP="1"), timeout=60,
+                            cwd=ROOT)
+    log = (tmp_path / "gpu.log").read_text()
+    # lane stopped at its cap (124) or refused (3), then the next stage named: refused
+    assert log.count("== lane: exit") == 2 and "unknown stage 'nope'" in capped.stderr, log
+    assert capped.returncode == 2, capped.returncode
     bad = subprocess.run(["bash", "scripts/gpu.sh", "nope"], capture_output=True, text=True,
                          env=env, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "unknown stage 'nope'" in bad.stderr, bad.stderr
