@@ -1,0 +1,122 @@
+"""The step's rules hold for ``train_step(..., compile=True)`` as for the eager step: a
+non-finite loss refuses the step by name with the state unchanged (or skips it under
+``Policy(skip_nonfinite=True)``, training on after it as the eager step does), and a
+parameter no rank reached keeps its value and its optimizer state (no weight decay), at 2
+and 2x2 ranks."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard.testing import mesh
+from test_compiled_step import LR, _batches, _gpt
+
+AOT = {"backend": "aot_eager"}
+
+
+def _scaled_loss(model):
+    """The GPT's loss times the batch's third entry: a NaN there makes every gradient NaN,
+    with the same input signature (the same program)."""
+    def loss_fn(params, batch):
+        x, y, scale = batch
+        return F.cross_entropy(fs.call(model, params, x).flatten(0, 1), y.flatten()) * scale
+    return loss_fn
+
+
+def _scales(steps: int, bad: int) -> list:
+    return [torch.tensor(math.nan if i == bad else 1.0) for i in range(steps)]
+
+
+def _opt_locals(state) -> list:
+    return [t.to_local().clone() if hasattr(t, "to_local") else t
+            for t in fs.pytree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+
+
+def nonfinite(spec, compile, skip, steps=4, bad=2):
+    """Train on ``steps`` batches, the ``bad``-th with a NaN scale: per step (loss,
+    skipped) or the refusal's (type, message, parameters and optimizer state unchanged);
+    the full parameters at the end (at the refusal, under the default rule)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
+                         policy=fs.Policy(skip_nonfinite=skip, clip_norm=1.0), compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    seen, per = [], 2
+    for (x, y), s in zip(_batches(steps, world, per), _scales(steps, bad)):
+        rows = slice(rank * per, (rank + 1) * per)
+        before = ({k: v.to_local().clone() for k, v in state.params.items()},
+                  _opt_locals(state))
+        try:
+            state, metrics = step(state, (x[rows], y[rows], s))
+        except Exception as e:  # noqa: BLE001 - refused: what it said, and the state held?
+            same = (all(torch.equal(before[0][k], v.to_local())
+                        for k, v in state.params.items())
+                    and all(torch.equal(a, b) for a, b in zip(before[1], _opt_locals(state))))
+            seen.append((type(e).__name__, str(e), same))
+            break
+        seen.append((float(metrics["loss"]), int(metrics["skipped"])))
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return seen, full, (state.step, state.skipped), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_a_nonfinite_step_is_refused_by_name_with_the_state_unchanged(pools, spec):
+    for seen, _, counts, graphs in pools.run(spec, nonfinite, AOT, False, timeout=600):
+        assert graphs == 1, graphs  # the refused step ran the program
+        assert len(seen) == 3 and all(math.isfinite(l) for l, _ in seen[:2]), seen
+        kind, msg, same = seen[2]
+        assert kind == "FloatingPointError" and same, (kind, msg)
+        assert "is not finite" in msg and "'" in msg and "unchanged" in msg, msg
+        assert counts == (2, 0), counts
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_a_skipped_nonfinite_step_trains_on_as_the_eager_step(pools, spec):
+    for (es, ep, ec, _), (cs, cp, cc, graphs) in zip(
+            pools.run(spec, nonfinite, False, True, timeout=600),
+            pools.run(spec, nonfinite, AOT, True, timeout=600)):
+        assert graphs == 1, graphs
+        assert [k for _, k in cs] == [k for _, k in es] == [0, 0, 1, 0], (cs, es)
+        assert cc == ec == (4, 1), (cc, ec)
+        assert all(abs(a - b) <= 1e-5 for (a, _), (b, _) in zip(cs, es) if math.isfinite(b))
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
+
+
+def unreached(spec, compile, steps=3):
+    """A leaf no rank's loss reaches (a Linear loss_fn never calls): its value
+    after AdamW with weight decay, and whether its moments stayed zero."""
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    model.spare = torch.nn.Linear(16, 4)  # a module loss_fn never calls
+    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
+                         compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    per = 2
+    for x, y in _batches(steps, world, per):
+        rows = slice(rank * per, (rank + 1) * per)
+        state, _ = step(state, (x[rows], y[rows], torch.tensor(1.0)))
+    full = fs.unshard(state.params)
+    paths, leaves, _ = fs.pytree.flatten_with_path(state.opt_state)
+    spare = [float(t.to_local().abs().max()) for p, t in zip(paths, leaves)
+             if "spare" in fs.pytree.fqn(p) and isinstance(t, torch.Tensor) and t.numel()]
+    return (torch.equal(full["spare.weight"], model.spare.weight.detach()), spare,
+            {k: v.detach().clone() for k, v in full.items()})
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_a_parameter_no_rank_reached_is_left_alone(pools, spec):
+    for (e_same, e_m, e_full), (c_same, c_m, c_full) in zip(
+            pools.run(spec, unreached, False, timeout=600),
+            pools.run(spec, unreached, AOT, timeout=600)):
+        assert e_same and c_same, (e_same, c_same)  # no weight decay: untouched
+        assert e_m == c_m and c_m and not any(c_m), (e_m, c_m)  # moments still zero
+        assert max((c_full[k] - e_full[k]).abs().max().item() for k in e_full) <= 1e-5
