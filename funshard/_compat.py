@@ -16,7 +16,14 @@ The eager step needs none of this: importing funshard never fails for it.
   raises when a ``loss_fn`` cannot be traced whole, and when a program would be compiled
   again;
 - ``torch.nn.utils.stateless._reparametrize_module``: the tensors of a group put into its
-  module for one call (what ``torch.func.functional_call`` does, and dynamo knows).
+  module for one call (what ``torch.func.functional_call`` does, and dynamo knows);
+- ``torch._higher_order_ops.wrap.tag_activation_checkpoint``, the operator dynamo makes of
+  a ``torch.utils.checkpoint`` region, and the key under which its body carries the
+  region's ``context_fn`` (:data:`CHECKPOINT_CONTEXT`); ``torch._TorchCompileInductorWrapper``
+  and ``torch._TorchCompileWrapper``, the backends ``torch.compile`` makes of its
+  ``backend``, ``mode`` and ``options``: the compiled step's backend passes dynamo's graph
+  on to them after giving the model's own checkpoint regions a rule
+  (:mod:`funshard.step.backend`).
 
 Newer torch names the autograd all-gather ``all_gather_single_autograd``; older releases
 ``all_gather_tensor_autograd``: the first found is used.
@@ -64,6 +71,11 @@ wait_tensor = _find("torch.distributed._functional_collectives", "wait_tensor")
 reparametrize = _find("torch.nn.utils.stateless", "_reparametrize_module")
 DynamoError = _find("torch._dynamo.exc", "TorchDynamoException")
 RecompileError = _find("torch._dynamo.exc", "RecompileError")
+_import("torch._higher_order_ops.wrap")
+CHECKPOINT_OP = _find("torch._higher_order_ops.wrap", "tag_activation_checkpoint")
+CHECKPOINT_CONTEXT = "_checkpoint_context_fn"  # what tag_activation_checkpoint reads
+INDUCTOR_BACKEND = _find("torch", "_TorchCompileInductorWrapper")
+OTHER_BACKEND = _find("torch", "_TorchCompileWrapper")
 _dynamo_config = _find("torch._dynamo", "config")
 if _dynamo_config is not None and not hasattr(_dynamo_config, "trace_autograd_ops"):
     MISSING.append("torch._dynamo.config.trace_autograd_ops")

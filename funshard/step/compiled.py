@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import _compat, collectives, pytree
-from . import batches, update
+from . import backend, batches, update
 from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
@@ -250,7 +250,7 @@ class Compiled:
                 blocks[gi] = (sub, sub.forward)
         program = Program(self.fn, params, self.policy, blocks, leaves, train=self.train)
         fn = torch.compile(_fresh(f"funshard_{self.where}_{next(_ids)}"), fullgraph=True,
-                           **_inductor_options(self.options))
+                           **backend.compile_options(_inductor_options(self.options)))
         patches = [(sub, functools.partial(program.block, gi))
                    for gi, (sub, _) in blocks.items()]
         if not self.train:
@@ -291,15 +291,34 @@ def _copy(x: Any) -> Any:
 
 def _module_of(params: ParamGroups, gi: int, name: str, modules: list):
     """The submodule group ``gi`` names in a module ``fs.call`` entered, when every leaf of
-    the group lies under it; else None (the group is gathered at the program's start)."""
+    the group lies under it and none is tied to a parameter outside it (a tied head reads
+    it there); else None (the group is gathered at the program's start)."""
     if not name:
         return None
     prefix = name + "."
-    if not all(params.layouts[i].path.startswith(prefix) for i in params.members[gi]):
+    paths = [params.layouts[i].path for i in params.members[gi]]
+    if not all(path.startswith(prefix) for path in paths):
         return None
     for m in modules:
         try:
-            return m.get_submodule(name)
+            sub = m.get_submodule(name)
         except AttributeError:
             continue
+        return None if _tied_outside(m, paths, prefix) else sub
     return None
+
+
+def _tied_outside(root, paths: list, prefix: str) -> bool:
+    """Whether a parameter of ``root`` at one of ``paths`` is also held under a name that
+    does not start with ``prefix``."""
+    names: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for path in paths:
+        try:
+            p = root.get_parameter(path)
+        except AttributeError:
+            continue
+        if any(not n.startswith(prefix) for n in names.get(id(p), ())):
+            return True
+    return False

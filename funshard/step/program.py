@@ -27,7 +27,8 @@ inductor program per step: no host work per op, no graph break. How the pieces m
   no region: the gathered tensors stay for backward (one all-gather per group).
   ``Policy(checkpoint=)`` turns the region's compute to ``PREFER_RECOMPUTE``.
 - **Parameters outside every group module** (the embedding, the final norm, the head, a
-  group whose name is not a module ``fs.call`` enters) are gathered at the program's start,
+  group whose name is not a module ``fs.call`` enters, a group tied to a parameter outside
+  its module) are gathered at the program's start,
   in the tree ``loss_fn`` receives, and stay gathered through backward, as FSDP2 keeps its
   root module's. A group module's leaves are in that tree as their shards, DTensors (no
   collective): ``fs.call`` installs them and the module's forward replaces them with the
@@ -41,7 +42,8 @@ inductor program per step: no host work per op, no graph break. How the pieces m
   remat pass that gathers again in backward takes one backward region per graph, so ``k``
   forward-backward pairs do not fit one program. Random draws (ops tagged
   ``nondeterministic_seeded``) in a recomputed region are kept from forward: the pass
-  refuses to draw them again, and drawing again would not give the forward's numbers.
+  refuses to draw them again, and drawing again would not give the forward's numbers (the
+  model's own regions get the same rule: :mod:`funshard.step.backend`).
 - **Mixed precision.** A bucket whose gradient is reduced in another dtype than it is
   gathered in (``param_dtype`` bfloat16, ``reduce_dtype`` float32) is gathered by
   ``DTensor.redistribute(forward_dtype=, backward_dtype=)`` from ``Shard(0)`` to
