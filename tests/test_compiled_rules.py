@@ -120,3 +120,36 @@ def test_a_parameter_no_rank_reached_is_left_alone(pools, spec):
         assert e_same and c_same, (e_same, c_same)  # no weight decay: untouched
         assert e_m == c_m and c_m and not any(c_m), (e_m, c_m)  # moments still zero
         assert max((c_full[k] - e_full[k]).abs().max().item() for k in e_full) <= 1e-5
+
+
+def with_mode(spec, mode, steps=3):
+    """The eager step and the compiled one under ``torch.compile``'s ``mode`` (inductor):
+    losses and full parameters; what the program's backend was given."""
+    from funshard.step import backend
+
+    out = {}
+    for name, compile in (("eager", False), ("compiled", {"mode": mode})):
+        torch._dynamo.reset()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = _gpt()
+        step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR), compile=compile)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        losses = []
+        for x, y in _batches(steps, world, 2):
+            state, metrics = step(state, (x[rank * 2:(rank + 1) * 2],
+                                          y[rank * 2:(rank + 1) * 2], torch.tensor(1.0)))
+            losses.append(float(metrics["loss"]))
+        out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    inner = backend.compile_options({"mode": mode})["backend"].inner
+    torch._dynamo.reset()
+    return out, dict(getattr(inner, "config", {}))
+
+
+def test_torch_compiles_mode_reaches_inductor_and_trains_as_the_eager_step(pools):
+    """``compile={"mode": "reduce-overhead"}``: inductor gets the mode's options (CUDA graphs;
+    on the CPU inductor compiles without them) and the step trains as the eager one."""
+    (out, config), = pools.run(1, with_mode, "reduce-overhead", timeout=900)
+    assert config.get("triton.cudagraphs") is True, config
+    (el, ep), (cl, cp) = out["eager"], out["compiled"]
+    assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (cl, el)
+    assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
