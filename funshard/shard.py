@@ -26,9 +26,14 @@ Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tens
 
 def _check_leaf(name: str, leaf: Any, what: str) -> torch.Tensor:
     if isinstance(leaf, DTensor):
+        dims = set(leaf.device_mesh.mesh_dim_names or ())
+        why = ("pass full tensors (fs.unshard gives them back)" if dims <= {SHARD, REPLICATE}
+               else f"its placements {tuple(leaf.placements)} are another parallelism's "
+               "(tensor or expert parallel, e.g. torch's parallelize_module), which funshard "
+               "does not compose with yet: shard a model whose parameters are plain tensors")
         raise TypeError(
             f"{what}: leaf {name!r} of shape {tuple(leaf.shape)} is already a DTensor on "
-            f"{mesh_str(leaf.device_mesh)}; pass full tensors (fs.unshard gives them back)."
+            f"{mesh_str(leaf.device_mesh)}; {why}."
         )
     if not isinstance(leaf, torch.Tensor):
         raise TypeError(

@@ -97,3 +97,28 @@ def test_rank0_error_reaches_its_peer_after_destroy_process_group():
     for err in errs:
         assert "Exception ignored" not in err and "TCPStore" not in err, err[-3000:]
         assert "PeerLost" not in err, err[-3000:]
+
+
+def tensor_parallel_leaves(spec):
+    """A model parallelized with torch's own tensor-parallel API, handed to fs.shard."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize_module(model, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return capture(fs.shard, fs.params(model), mesh(spec))
+
+
+def test_tensor_parallel_leaves_are_refused_by_name(pools):
+    """Not a funshard DTensor: the message names the leaf, its mesh and placements and says
+    that funshard does not compose with another parallelism yet (not "fs.unshard them")."""
+    for kind, msg in pools.run(2, tensor_parallel_leaves):
+        assert kind == "TypeError", (kind, msg)
+        for part in ("'0.weight'", "(8, 4)", "'tp': 2", "Shard(dim=0)",
+                     "tensor or expert parallel"):
+            assert part in msg, (part, msg)
+        assert "fs.unshard" not in msg, msg
