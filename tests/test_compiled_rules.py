@@ -153,3 +153,57 @@ def test_torch_compiles_mode_reaches_inductor_and_trains_as_the_eager_step(pools
     (el, ep), (cl, cp) = out["eager"], out["compiled"]
     assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (cl, el)
     assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
+
+
+class _DropoutNet(torch.nn.Module):
+    """Two residual blocks with dropout, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3)) for _ in range(2))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def dropout_runs(spec, policy, steps=4):
+    """The eager step and the compiled one (``aot_eager``: torch's own random ops) from the
+    same random state: losses and full parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, compile in (("eager", False), ("compiled", AOT)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _DropoutNet()
+        step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                             fs.optim.adamw(1e-2), compile=compile,
+                             policy=fs.Policy(**policy))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        g = torch.Generator().manual_seed(1)
+        torch.manual_seed(5 + rank)  # each rank draws its own masks
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(2 * world, 16, generator=g), torch.randn(2 * world, 4, generator=g)
+            state, metrics = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+            losses.append(float(metrics["loss"]))
+        out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.parametrize("policy", [{}, {"reshard_after_forward": False},
+                                    {"checkpoint": True}],
+                         ids=["full_shard", "shard_grad_op", "checkpoint"])
+def test_dropout_draws_as_the_eager_step(pools, policy):
+    """The first step's trial run of the program keeps the random state as it found it: the
+    compiled step draws the eager step's dropout masks, step after step (bit for bit under a
+    backend that runs torch's random ops; the step's regions keep the draws of forward, as
+    the eager recompute draws them again from the same state)."""
+    for r in pools.run(2, dropout_runs, policy, timeout=600):
+        (el, ep), (cl, cp) = r["eager"], r["compiled"]
+        assert cl == el, (cl, el)
+        assert all(torch.equal(cp[k], ep[k]) for k in ep)

@@ -170,7 +170,8 @@ class Compiled:
             new = {k: mb for k, mb in zip(keys, parts) if k not in self.entries}
             out = self._first(params, leaves, keys, eager)
             for key, mb in new.items():  # compiled now: refused at the first step
-                self._traced(key, leaves, pytree.tree_map(_copy, bufs), ([mb], factor))
+                with _random_kept(params.device):
+                    self._traced(key, leaves, pytree.tree_map(_copy, bufs), ([mb], factor))
             return out
         if any(self.entries[k].program is None for k in keys):  # before any part runs
             return eager()
@@ -201,7 +202,8 @@ class Compiled:
         key = self._key(params, (args, kwargs), bufs)
         if key not in self.entries:
             out = self._first(params, leaves, [key], eager)
-            self._traced(key, leaves, pytree.tree_map(_copy, bufs), (args, kwargs))  # tried
+            with _random_kept(params.device):  # tried
+                self._traced(key, leaves, pytree.tree_map(_copy, bufs), (args, kwargs))
             return out
         out = self._traced(key, leaves, bufs, (args, kwargs))
         return eager() if out is _EAGER else out
@@ -281,6 +283,15 @@ class Compiled:
                     f"funshard.step.program). {type(e).__name__}: {e}") from e
         entry.ran[0] = True
         return out
+
+
+def _random_kept(device: torch.device):
+    """The random state as it was before the first step's trial run, after it: its draws
+    (dropout) are set aside with its result, so the next step draws what the eager step
+    would (the programs that follow draw in the eager step's order under a backend that
+    runs torch's random ops, such as ``aot_eager``; inductor draws its own)."""
+    on = [device] if device.type not in ("cpu", "meta") else []
+    return torch.random.fork_rng(devices=on, device_type=device.type if on else "cuda")
 
 
 def _copy(x: Any) -> Any:
