@@ -11,7 +11,8 @@ The eager step needs none of this: importing funshard never fails for it.
 - ``torch.ops._c10d_functional``'s all-gather and wait overloads, which the checkpoint
   policy marks for recomputation in backward;
 - ``torch._dynamo.config.trace_autograd_ops``: dynamo traces ``torch.autograd.grad`` into
-  the graph (the loss and its gradients one program);
+  the graph (the loss and its gradients one program); ``ignore_logger_methods``: logging
+  calls traced as no-ops (they ran at the eager first step);
 - ``torch._dynamo.exc``'s ``TorchDynamoException`` and ``RecompileError``: what dynamo
   raises when a ``loss_fn`` cannot be traced whole, and when a program would be compiled
   again;
@@ -79,6 +80,8 @@ OTHER_BACKEND = _find("torch", "_TorchCompileWrapper")
 _dynamo_config = _find("torch._dynamo", "config")
 if _dynamo_config is not None and not hasattr(_dynamo_config, "trace_autograd_ops"):
     MISSING.append("torch._dynamo.config.trace_autograd_ops")
+if _dynamo_config is not None and not hasattr(_dynamo_config, "ignore_logger_methods"):
+    MISSING.append("torch._dynamo.config.ignore_logger_methods")
 _ops = getattr(torch.ops, "_c10d_functional", None)
 try:
     GATHER_OPS = (_ops.all_gather_into_tensor.default, _ops.wait_tensor.default)
@@ -113,3 +116,9 @@ def require(what: str) -> None:
 def tracing_autograd():
     """A context in which dynamo traces ``torch.autograd.grad`` into the graph."""
     return _dynamo_config.patch(trace_autograd_ops=True)
+
+
+def tracing_without_logs(methods: set):
+    """A context in which dynamo traces the ``logging.Logger`` ``methods`` as no-ops."""
+    return _dynamo_config.patch(
+        ignore_logger_methods=set(_dynamo_config.ignore_logger_methods) | methods)

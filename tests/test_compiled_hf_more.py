@@ -38,10 +38,8 @@ def _gpt2(attention="sdpa", hf_checkpointing=False):
                                        bos_token_id=0, eos_token_id=0,
                                        attn_implementation=attention))
     # "GPT2LMHeadModel" names no loss in transformers' LOSS_MAPPING: each forward with labels
-    # then calls logger.warning_once and falls back to ForCausalLM, and dynamo cannot trace a
-    # logging call (the compiled step refuses the loss_fn by name). Naming that same loss
-    # keeps the model's numbers and leaves the logging out.
-    model.loss_type = "ForCausalLM"
+    # calls logger.warning_once and falls back to ForCausalLM. The program traces logging
+    # calls as no-ops (they ran at the eager first step), so the model is left as it is.
     if hf_checkpointing:  # each block under torch.utils.checkpoint (non-reentrant)
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})

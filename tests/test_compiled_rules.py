@@ -4,6 +4,8 @@ non-finite loss refuses the step by name with the state unchanged (or skips it u
 parameter no rank reached keeps its value and its optimizer state (no weight decay), at 2
 and 2x2 ranks."""
 
+import functools
+import logging
 import math
 
 import pytest
@@ -207,3 +209,77 @@ def test_dropout_draws_as_the_eager_step(pools, policy):
         (el, ep), (cl, cp) = r["eager"], r["compiled"]
         assert cl == el, (cl, el)
         assert all(torch.equal(cp[k], ep[k]) for k in ep)
+
+
+_LOG = logging.getLogger("funshard.tests.model")  # as a library's module has its own
+
+
+class _LoggingNet(torch.nn.Module):
+    """Logs in its forward, as library models do (a warning, and a warning_once-style
+    method a library put on ``logging.Logger``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        _LOG.warning("forward of a %s", type(self).__name__)
+        _LOG.warning_once_funshard_test("said once")
+        return self.head(torch.tanh(self.fc(x)))
+
+
+def logging_runs(spec, steps=3):
+    """The eager and the compiled step on a model that logs: losses, parameters, graphs and
+    breaks, and how many records each run's steps emitted."""
+    from torch._dynamo.utils import counters
+
+    records: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.Logger.warning_once_funshard_test = functools.lru_cache(None)(
+        lambda self, *a: self.warning(*a))
+    _LOG.addHandler(Keep())
+    _LOG.propagate = False
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    try:
+        for name, compile in (("eager", False), ("compiled", AOT)):
+            torch._dynamo.reset()
+            counters.clear()
+            records.clear()
+            logging.Logger.warning_once_funshard_test.cache_clear()
+            torch.manual_seed(0)
+            model = _LoggingNet()
+            step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                                 fs.optim.adamw(1e-2), compile=compile)
+            state = step.init(fs.shard(fs.params(model), mesh(spec)))
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(steps):
+                x, y = torch.randn(2 * world, 16, generator=g), torch.randn(2 * world, 4,
+                                                                         generator=g)
+                rows = slice(rank * 2, (rank + 1) * 2)
+                state, metrics = step(state, (x[rows], y[rows]))
+                losses.append(float(metrics["loss"]))
+            out[name] = (losses, {k: v.detach().clone()
+                                  for k, v in fs.unshard(state.params).items()},
+                         counters["stats"]["unique_graphs"],
+                         sum(counters["graph_break"].values()), list(records))
+    finally:
+        del logging.Logger.warning_once_funshard_test
+        torch._dynamo.reset()
+    return out
+
+
+def test_logging_in_the_model_runs_at_the_eager_step_and_not_in_the_program(pools):
+    """Logging calls do not break the program's graph: they run at the first (eager) step
+    and are no-ops in the program, as Python's side effects under ``jax.jit``."""
+    for r in pools.run(2, logging_runs, timeout=600):
+        (el, ep, _, _, erec), (cl, cp, graphs, breaks, crec) = r["eager"], r["compiled"]
+        assert graphs == 1 and breaks == 0, (graphs, breaks)
+        assert cl == el and all(torch.equal(cp[k], ep[k]) for k in ep), (cl, el)
+        assert erec.count("forward of a _LoggingNet") == 3 and erec.count("said once") == 1
+        assert crec == ["forward of a _LoggingNet", "said once"], crec  # the eager step's

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import types
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -263,7 +264,8 @@ class Compiled:
         stance = (torch.compiler.set_stance("fail_on_recompile") if entry.ran[0]
                   else contextlib.nullcontext())
         grad = _compat.tracing_autograd() if self.train else torch.no_grad()
-        with _patched(entry.patches), in_program(self.policy), grad, stance:
+        logs = _compat.tracing_without_logs(_logger_methods())
+        with _patched(entry.patches), in_program(self.policy), grad, logs, stance:
             try:
                 out = entry.fn(entry.program, _inputs(entry.program, leaves), bufs, inputs)
             except _compat.RecompileError as e:
@@ -283,6 +285,18 @@ class Compiled:
                     f"funshard.step.program). {type(e).__name__}: {e}") from e
         entry.ran[0] = True
         return out
+
+
+_LEVELS = ("debug", "info", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _logger_methods() -> set:
+    """The ``logging.Logger`` methods that emit a record (those libraries add too, such as
+    ``warning_once``): the program traces them as no-ops. They ran at the eager first step
+    of each signature; in the program, as Python's side effects under ``jax.jit``, they do
+    not run again (dynamo would break the graph on them)."""
+    return {f for name, f in vars(logging.Logger).items()
+            if name.startswith(_LEVELS) and callable(f)}
 
 
 def _random_kept(device: torch.device):
