@@ -264,7 +264,8 @@ class Compiled:
         stance = (torch.compiler.set_stance("fail_on_recompile") if entry.ran[0]
                   else contextlib.nullcontext())
         grad = _compat.tracing_autograd() if self.train else torch.no_grad()
-        logs = _compat.tracing_without_logs(_logger_methods())
+        logs = (contextlib.nullcontext() if entry.ran[0]  # traced at its first run only
+                else _compat.tracing_without_logs(_logger_methods()))
         with _patched(entry.patches), in_program(self.policy), grad, logs, stance:
             try:
                 out = entry.fn(entry.program, _inputs(entry.program, leaves), bufs, inputs)
