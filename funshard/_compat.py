@@ -12,7 +12,8 @@ The eager step needs none of this: importing funshard never fails for it.
   policy marks for recomputation in backward;
 - ``torch._dynamo.config.trace_autograd_ops``: dynamo traces ``torch.autograd.grad`` into
   the graph (the loss and its gradients one program); ``ignore_logger_methods``: logging
-  calls traced as no-ops (they ran at the eager first step);
+  calls traced as no-ops (they ran at the eager first step); ``error_on_recompile``: a
+  second compile of a program refused as ``RecompileError``;
 - ``torch._dynamo.exc``'s ``TorchDynamoException`` and ``RecompileError``: what dynamo
   raises when a ``loss_fn`` cannot be traced whole, and when a program would be compiled
   again;
@@ -80,8 +81,9 @@ OTHER_BACKEND = _find("torch", "_TorchCompileWrapper")
 _dynamo_config = _find("torch._dynamo", "config")
 if _dynamo_config is not None and not hasattr(_dynamo_config, "trace_autograd_ops"):
     MISSING.append("torch._dynamo.config.trace_autograd_ops")
-if _dynamo_config is not None and not hasattr(_dynamo_config, "ignore_logger_methods"):
-    MISSING.append("torch._dynamo.config.ignore_logger_methods")
+for _name in ("ignore_logger_methods", "error_on_recompile"):
+    if _dynamo_config is not None and not hasattr(_dynamo_config, _name):
+        MISSING.append(f"torch._dynamo.config.{_name}")
 _ops = getattr(torch.ops, "_c10d_functional", None)
 try:
     GATHER_OPS = (_ops.all_gather_into_tensor.default, _ops.wait_tensor.default)
@@ -116,6 +118,12 @@ def require(what: str) -> None:
 def tracing_autograd():
     """A context in which dynamo traces ``torch.autograd.grad`` into the graph."""
     return _dynamo_config.patch(trace_autograd_ops=True)
+
+
+def refusing_recompiles():
+    """A context in which dynamo raises ``RecompileError`` instead of compiling a function
+    again (``torch.compiler.set_stance("fail_on_recompile")`` raises a plain RuntimeError)."""
+    return _dynamo_config.patch(error_on_recompile=True)
 
 
 def tracing_without_logs(methods: set):

@@ -283,3 +283,36 @@ def test_logging_in_the_model_runs_at_the_eager_step_and_not_in_the_program(pool
         assert cl == el and all(torch.equal(cp[k], ep[k]) for k in ep), (cl, el)
         assert erec.count("forward of a _LoggingNet") == 3 and erec.count("said once") == 1
         assert crec == ["forward of a _LoggingNet", "said once"], crec  # the eager step's
+
+
+def python_value_changed(spec):
+    """loss_fn reads a Python number that changes after the program was traced: the step
+    that would compile the program again is refused by name, the parameters unchanged."""
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, factor = _gpt(), [1.0]
+    inner = _scaled_loss(model)
+    step = fs.train_step(lambda p, b: inner(p, b) * factor[0], fs.optim.adamw(LR),
+                         compile=AOT)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    batches = _batches(3, world, 2)
+    for x, y in batches[:2]:
+        state, _ = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2],
+                                torch.tensor(1.0)))
+    factor[0] = 2.0
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    x, y = batches[2]
+    try:
+        step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2], torch.tensor(1.0)))
+        got = (None, "no error")
+    except Exception as e:  # noqa: BLE001 - what it was, for the test
+        got = (type(e).__name__, str(e))
+    same = all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+    torch._dynamo.reset()
+    return got, same
+
+
+def test_a_python_value_that_changed_since_the_trace_is_refused_by_name(pools):
+    for (kind, msg), same in pools.run(2, python_value_changed, timeout=600):
+        assert kind == "RuntimeError" and "would be compiled again" in msg, (kind, msg)
+        assert "read from Python changed" in msg and same, msg

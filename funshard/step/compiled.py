@@ -96,10 +96,13 @@ def _inductor_options(options: dict) -> dict:
 
 
 def _signature(tree: Any) -> tuple:
-    """What a program is specialised on: the tree's structure, its tensors' shapes, dtypes
-    and devices, and its other leaves' values."""
+    """What a program is specialised on: the tree's structure, its tensors' shapes, strides
+    (dynamo guards the layout: a contiguous copy of a sliced batch is another program),
+    dtypes, devices and whether they are inference tensors, and its other leaves'
+    values."""
     leaves, spec = pytree.flatten(tree)
-    return (spec, tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad)
+    return (spec, tuple((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad,
+                         x.is_inference())
                         if isinstance(x, torch.Tensor) else (type(x), repr(x))
                         for x in leaves))
 
@@ -261,8 +264,8 @@ class Compiled:
         return _Entry(program, fn, frozenset(out.used), out.order, patches, [False])
 
     def _run(self, entry: _Entry, leaves: list, bufs: Any, inputs: Any) -> Any:
-        stance = (torch.compiler.set_stance("fail_on_recompile") if entry.ran[0]
-                  else contextlib.nullcontext())
+        # a second compile of the same signature is refused (RecompileError, below)
+        stance = _compat.refusing_recompiles() if entry.ran[0] else contextlib.nullcontext()
         grad = _compat.tracing_autograd() if self.train else torch.no_grad()
         logs = (contextlib.nullcontext() if entry.ran[0]  # traced at its first run only
                 else _compat.tracing_without_logs(_logger_methods()))

@@ -79,6 +79,9 @@ def eval_step(fn: Callable, *, policy: Policy = Policy(), compile: Any = False) 
         return cache[key]
 
     def apply(params: Tree, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # as under no_grad: the step's own tensors
+            with torch.inference_mode(False):  # keep version counters (inputs may not)
+                return apply(params, *args, **kwargs)
         collectives.failures.in_step()  # see [Note: a rank out of step]
         bufs = None
         if isinstance(params, TrainState):
