@@ -97,3 +97,46 @@ def test_integer_and_bool_frozen_leaves_train_as_one_process(pools, spec, raf):
         assert r["groups"] == ["layers.0", "layers.1", "layers.2", ""], r
         # layers.1 is wholly frozen: one reduce-scatter for each of the other three groups
         assert r["reduce_scatter"] == 3, r
+
+
+def frozen_mid_run(spec, compile, steps=6, freeze=2, thaw=4):
+    """``0.weight`` frozen (``requires_grad_(False)`` on the state's DTensor) before step
+    ``freeze`` and trainable again before step ``thaw``; torch.optim.AdamW on one process
+    with the same parameter frozen and thawed the same way (its grad None meanwhile)."""
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                         fs.optim.adamw(1e-2, weight_decay=0.1), compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    held = []
+    for i in range(steps):
+        if i in (freeze, thaw):
+            state.params["0.weight"].requires_grad_(i == thaw)
+            ref[0].weight.requires_grad_(i == thaw)
+        if i == freeze:
+            held = state.params["0.weight"].to_local().clone()
+        x, y = torch.randn(2 * world, 8, generator=g), torch.randn(2 * world, 4, generator=g)
+        state, _ = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+        if i == thaw - 1:  # frozen through its steps: not moved, not decayed
+            held = torch.equal(held, state.params["0.weight"].to_local())
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    torch._dynamo.reset()
+    return held, max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}], ids=["eager", "compiled"])
+def test_a_parameter_frozen_mid_run_is_left_alone_then_trains_again(pools, compile):
+    """As torch.optim skips a parameter whose grad is None: while frozen it gets no update
+    (no weight decay either) and its Adam state waits; thawed, it trains on from it."""
+    for held, err in pools.run(2, frozen_mid_run, compile, timeout=600):
+        assert held is True and err < 1e-5, (held, err)

@@ -177,10 +177,13 @@ def _check_counts(state: TrainState) -> None:
 
 
 def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups, list]:
-    """``params``' :class:`ParamGroups` (cached per tree structure and mesh, like a jit cache)
-    and its leaves."""
+    """``params``' :class:`ParamGroups` (cached per tree structure, mesh and which leaves
+    require grad, like a jit cache: a leaf frozen since ``init`` gets no gradient and the
+    optimizer leaves it and its state alone, as torch.optim skips a ``None`` grad) and its
+    leaves."""
     leaves, spec = pytree.flatten(params)
-    key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None)
+    key = (spec, getattr(leaves[0], "device_mesh", None) if leaves else None,
+           tuple(getattr(x, "requires_grad", False) for x in leaves))
     got = cache.get(key)  # (none trainable: the tree may have been made trainable since)
     if got is None or not any(got.trainable) or not all(isinstance(x, DTensor) for x in leaves):
         cache[key] = got = ParamGroups(params, policy)  # validates: DTensors, one mesh, ...
