@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 
 import funshard as fs
-from funshard.testing import mesh
+
 from test_compiled_step import LR, _batches, _max_diff, hf_runs
 
-AOT = {"backend": "aot_eager"}
 STEPS = 3
 
 
@@ -110,37 +109,6 @@ def _forward(model, params, batch):
     return fs.call(model, params, input_ids=batch, labels=batch, use_cache=False).loss
 
 
-def policy_runs(spec, build, batches, policy):
-    """``hf_runs`` with a Policy and padded batches: the model from ``build`` trained eagerly
-    and compiled (``aot_eager``) under ``policy`` on this rank's rows of each of ``batches``
-    (ids, or (ids, mask, labels)): per run the losses and full parameters; the compiled
-    run's dynamo graphs and breaks."""
-    from torch._dynamo.utils import counters
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name, compile in (("eager", False), ("compiled", AOT)):
-        torch._dynamo.reset()
-        counters.clear()
-        model = build()
-        step = fs.train_step(lambda p, b: _forward(model, p, b), fs.optim.adamw(LR),
-                             policy=policy, compile=compile)
-        state = step.init(fs.shard(fs.params(model), mesh(spec)))
-        losses = []
-        for batch in batches:
-            per = (batch[0] if isinstance(batch, tuple) else batch).shape[0] // world
-            mine = tuple(t[rank * per:(rank + 1) * per] for t in batch) if isinstance(
-                batch, tuple) else batch[rank * per:(rank + 1) * per]
-            state, metrics = step(state, mine)
-            losses.append(float(metrics["loss"]))
-        out[name] = losses, {k: v.detach().clone() for k, v in
-                             fs.unshard(state.params).items()}
-    out["graphs"] = counters["stats"]["unique_graphs"]
-    out["breaks"] = sum(counters["graph_break"].values())
-    torch._dynamo.reset()
-    return out
-
-
 def _one_process(build, batches, clip=None):
     """torch.optim.AdamW (the same lr, torch's defaults) on the whole batch, with torch's
     global-norm clip when ``clip`` is given: the reference."""
@@ -159,17 +127,13 @@ def _one_process(build, batches, clip=None):
 
 
 def hf_parity(spec, which, policy=None, per_rank=2, padded=False):
-    """Model ``which`` compiled and eager (through ``hf_runs`` where no ``policy`` is given
-    and the batches are not padded, else ``policy_runs`` under ``fs.Policy(**policy)``) and
+    """Model ``which`` compiled and eager (``hf_runs`` under ``fs.Policy(**policy)``) and
     in one process; which of its parameters are tied, how far one process moved them."""
     build = BUILDERS[which]
     batches = [x for x, _ in _batches(STEPS, dist.get_world_size(), per_rank)]
     if padded:
         batches = [_padded(x) for x in batches]
-    if policy is None and not padded:
-        out = hf_runs(spec, build, batches)
-    else:
-        out = policy_runs(spec, build, batches, fs.Policy(**(policy or {})))
+    out = hf_runs(spec, build, batches, fs.Policy(**(policy or {})), _forward)
     out["one"] = _one_process(build, batches, (policy or {}).get("clip_norm"))
     init = build()
     out["tied"] = [n for n, _ in init.named_parameters(remove_duplicate=False)

@@ -179,26 +179,33 @@ def _llama():
     return LlamaForCausalLM(cfg)
 
 
-def hf_runs(spec, build, ids):
-    """A Hugging Face model from ``build`` (labels = inputs, no cache) trained eagerly and
-    compiled (``aot_eager``) on this rank's rows of each batch of ``ids``: per run the
-    losses and full parameters; the compiled run's dynamo graphs and breaks."""
+def _causal_lm_loss(model, params, ids):
+    return fs.call(model, params, input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_runs(spec, build, batches, policy=None, loss=_causal_lm_loss):
+    """A Hugging Face model from ``build`` trained eagerly and compiled (``aot_eager``)
+    under ``policy`` on this rank's rows of each of ``batches`` (a tensor, or a tuple of
+    tensors of as many rows), ``loss(model, params, batch)`` (default: labels = inputs, no
+    cache): per run the losses and full parameters; the compiled run's dynamo graphs and
+    breaks."""
     from torch._dynamo.utils import counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    per = ids[0].shape[0] // world
     out = {}
     for name, compile in (("eager", False), ("compiled", {"backend": "aot_eager"})):
         torch._dynamo.reset()
         counters.clear()
         model = build()
-        step = fs.train_step(lambda p, b: fs.call(model, p, input_ids=b, labels=b,
-                                                     use_cache=False).loss,
-                             fs.optim.adamw(LR), compile=compile)
+        step = fs.train_step(lambda p, b: loss(model, p, b), fs.optim.adamw(LR),
+                             policy=policy or fs.Policy(), compile=compile)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         losses = []
-        for x in ids:
-            state, metrics = step(state, x[rank * per:(rank + 1) * per])
+        for batch in batches:
+            parts = batch if isinstance(batch, tuple) else (batch,)
+            per = parts[0].shape[0] // world
+            mine = tuple(t[rank * per:(rank + 1) * per] for t in parts)
+            state, metrics = step(state, mine if isinstance(batch, tuple) else mine[0])
             losses.append(float(metrics["loss"]))
         out[name] = losses, {k: v.detach().clone() for k, v in
                              fs.unshard(state.params).items()}
