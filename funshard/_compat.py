@@ -33,6 +33,9 @@ Newer torch names the autograd all-gather ``all_gather_single_autograd``; older 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 MISSING: list[str] = []
@@ -126,7 +129,21 @@ def refusing_recompiles():
     return _dynamo_config.patch(error_on_recompile=True)
 
 
+# torch 2.11 sorts every set in dynamo's config when it records a compile's metrics, and
+# functions do not sort: it logs the TypeError, a traceback per compile, on this logger
+# (which logs nothing else); torch 2.13 leaves this set out of the record
+_METRICS_LOG = "torch._dynamo.metrics_context"
+
+
+@contextlib.contextmanager
 def tracing_without_logs(methods: set):
     """A context in which dynamo traces the ``logging.Logger`` ``methods`` as no-ops."""
-    return _dynamo_config.patch(
-        ignore_logger_methods=set(_dynamo_config.ignore_logger_methods) | methods)
+    quiet = logging.getLogger(_METRICS_LOG)
+    before = quiet.disabled
+    with _dynamo_config.patch(
+            ignore_logger_methods=set(_dynamo_config.ignore_logger_methods) | methods):
+        quiet.disabled = True
+        try:
+            yield
+        finally:
+            quiet.disabled = before

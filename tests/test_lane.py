@@ -10,6 +10,7 @@ more devices than the machine has skips, saying so.
 import contextlib
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def _local(b, rank):
     return tuple(x[rank * 2:(rank + 1) * 2] for x in b)
 
 
+class _Errors(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list = []
+
+    def emit(self, record):
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
 def step_equals_one_process(spec, policy, force=True):
     """Two AdamW steps on the mesh against torch's AdamW on one process over the whole batch
     (same device); the collectives of the last step; where the results live. ``force``:
@@ -94,6 +104,8 @@ def step_equals_one_process(spec, policy, force=True):
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1,
                                 **({"fused": True} if fused else {"foreach": True}))
         g = torch.Generator().manual_seed(1)
+        errors = _Errors()  # what torch logs as an error while it compiles the program
+        logging.getLogger("torch._dynamo").addHandler(errors)
         for _ in range(2):
             b = _batch(g, world, dev)
             # a dispatch mode (the counter) would make dynamo run loss_fn eagerly
@@ -106,6 +118,8 @@ def step_equals_one_process(spec, policy, force=True):
             if "clip_norm" in policy:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), policy["clip_norm"])
             opt.step()
+        logging.getLogger("torch._dynamo").removeHandler(errors)
+        assert not errors.records, errors.records[:2]
         full = fs.unshard(state.params)
         err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
         where = {t.device.type for t in fs.pytree.leaves(state) if isinstance(t, torch.Tensor)}
