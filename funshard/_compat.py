@@ -108,6 +108,10 @@ try:
 except (ImportError, TypeError, ValueError):
     REDISTRIBUTE_DTYPES = False
 
+# torch.compile(options={"guard_filter_fn": ...}) (public, with the torch.compiler helpers
+# that use it): which of dynamo's guards a compiled function keeps; without it, all
+GUARD_FILTER = hasattr(torch.compiler, "skip_guard_on_globals_unsafe")
+
 
 def require(what: str) -> None:
     """Raise, naming the torch version and the missing symbols, if any is missing."""

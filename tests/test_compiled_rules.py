@@ -318,6 +318,55 @@ def test_a_python_value_that_changed_since_the_trace_is_refused_by_name(pools):
         assert "read from Python changed" in msg and same, msg
 
 
+def guards_dropped(spec):
+    """Two compiled steps with dynamo's guard entries seen as the program's filter sees them:
+    (how many, the names it dropped, the names it kept)."""
+    from funshard.step import compiled
+
+    if not fs._compat.GUARD_FILTER:
+        return None
+    seen: list = []
+    own = compiled._own_guards
+
+    def spy(entries):
+        keep = own(entries)
+        seen.append([(e.name, k) for e, k in zip(entries, keep)])
+        return keep
+
+    torch._dynamo.reset()
+    compiled._own_guards = spy
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = _gpt()
+        step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR), compile=AOT)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        for x, y in _batches(3, world, 2):
+            state, _ = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2],
+                                    torch.tensor(1.0)))
+    finally:
+        compiled._own_guards = own
+        torch._dynamo.reset()
+    (names,) = seen  # one program, compiled once
+    return (len(names), sorted({n for n, k in names if not k}),
+            sorted({n for n, k in names if k}))
+
+
+def test_the_program_keeps_the_guards_on_what_the_caller_owns(pools):
+    """dynamo's guards on the program's own constants (layouts, groups, buckets, template:
+    fixed when it is made) are dropped; those on ``loss_fn`` and its closure (the model),
+    the group modules, the globals and the inputs are kept (a Python value of the caller's
+    that changes is still refused: the test above)."""
+    for r in pools.run(2, guards_dropped, timeout=600):
+        if r is None:
+            pytest.skip(f"torch {torch.__version__} has no guard_filter_fn")
+        total, dropped, kept = r
+        assert 2 * len(dropped) > len(kept), (len(dropped), len(kept), total)
+        assert all(n.startswith("program.") for n in dropped), dropped[:5]
+        assert not any(n.startswith(("program.loss_fn", "program.blocks", "program.policy"))
+                       for n in dropped), dropped[:5]
+        assert any(n.startswith("program.loss_fn.__closure__") for n in kept), kept[:5]
+
+
 def cycles_left(spec, compile):
     """What Python's cyclic collector finds after 4 steps (after 2 to warm up): the types of
     the objects only it could free."""
