@@ -236,7 +236,6 @@ class Program:
         sum or None, each micro-batch's aux, the reduced gradients summed over them).
         ``scale``: the loss scale, a float32 scalar (None: none), an input of the program,
         so that a new scale is not a new program."""
-        p = self.params
         leaves = list(shards)  # the trainable ones require grad (Compiled._run)
         total = count = summed = None
         auxes = []
