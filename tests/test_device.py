@@ -252,13 +252,16 @@ class _HostReads:
         return False
 
 
-def host_reads(spec, policy_kwargs, optimizer):
-    """The host reads of a step after the first two (which learn the schedule)."""
+def host_reads(spec, policy_kwargs, optimizer, compile=False):
+    """The host reads of a step after the first two (which learn the schedule; compiled,
+    the first runs eagerly and the second compiles the program)."""
     m = mesh(spec)
     kwargs = {k: v for k, v in policy_kwargs.items() if k != "_mean"}
     model, batch = _model_and_batch(dist.get_world_size())
     loss_fn = _mean_loss(model) if policy_kwargs.get("_mean") else gpt_loss(model)
-    step = fs.train_step(loss_fn, OPTIMIZERS[optimizer](), policy=fs.Policy(**kwargs))
+    torch._dynamo.reset()
+    step = fs.train_step(loss_fn, OPTIMIZERS[optimizer](), policy=fs.Policy(**kwargs),
+                         compile=compile)
     state = step.init(fs.shard(fs.params(model), m))
     for _ in range(2):
         state, _ = step(state, batch)
@@ -276,6 +279,17 @@ def test_a_step_reads_the_device_once(pools, spec, policy):
     together, and none per group or per leaf. Seen here as the host reads funshard's code
     makes (CPU tensors), the lane's proxy for what would sync a GPU."""
     for rank, (seen, loss) in enumerate(pools.run(spec, host_reads, POLICIES[policy], "adamw")):
+        assert sum(seen.values()) == 1 and all(w.startswith("step/update.py") for w in seen), \
+            (rank, seen)
+        assert loss == loss  # the step ran
+
+
+@pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
+def test_a_compiled_step_reads_the_device_once(pools, spec):
+    """The compiled step's program reads nothing on the host: its one read is the eager
+    step's, the metrics after the program."""
+    for rank, (seen, loss) in enumerate(pools.run(
+            spec, host_reads, {"clip_norm": 1.0}, "adamw", {"backend": "aot_eager"})):
         assert sum(seen.values()) == 1 and all(w.startswith("step/update.py") for w in seen), \
             (rank, seen)
         assert loss == loss  # the step ran
