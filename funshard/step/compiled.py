@@ -12,9 +12,11 @@ refused there, at the first step, with dynamo's reason and the user's line and t
 unchanged; ``compile={"fallback": "eager"}`` runs such a signature eagerly instead, with a
 warning. From the second step the program runs, and a step that would compile it again (a
 guard failed: something the program read from Python changed) is refused, naming dynamo's
-reason, where compiling again would hide the change. A leaf the eager step found
-unreached stays without a gradient in the program for that signature (the program is the
-same function of the same inputs).
+reason, where compiling again would hide the change. The leaves this rank's eager step
+reached are those the program reaches (the same function of the same inputs): the step's
+rule for a leaf no rank reached ([Note: a parameter no rank reached] in
+:mod:`funshard.step.update`) takes them each step, so a leaf some other rank reached keeps
+the mean over ranks here too.
 
 ``eval_step(fn, compile=True)`` is the same machinery without gradients: its first call
 per signature of the arguments runs eagerly, shows the modules and tries the program,
@@ -215,8 +217,7 @@ class Compiled:
         entry = self.entries[keys[0]]
         grads: list = [None] * len(leaves)
         for i, g in zip(entry.program.trainable, summed):
-            if i in entry.used:
-                grads[i] = g
+            grads[i] = g  # (a leaf no rank reached: dropped by the update's rule)
         return update.Grads(grads, total, auxes, (None, None), entry.order, count,
                             set(entry.used))
 
