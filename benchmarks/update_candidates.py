@@ -1,5 +1,5 @@
-"""What the optimizer update costs the host, and what compiling it would save: three ways to
-run AdamW over the host-bound GPT's parameters (100 leaves, world 1), timed per update.
+"""What the optimizer update costs the host, and what compiling it saves: four ways to run
+AdamW over the host-bound GPT's parameters (100 leaves, world 1), timed per update.
 
 - ``fs_optim``: ``fs.optim.adamw`` on the shards, as the step runs it today (eager; its
   scalars, the bias corrections and the learning rate, are Python floats);
@@ -8,8 +8,14 @@ run AdamW over the host-bound GPT's parameters (100 leaves, world 1), timed per 
   ``capturable=True`` and the learning rate a tensor (so a new step count or rate is not a
   new program): its scalars live on the device and the update is one program.
 
-The third is the shape the compiled step's update would take: its scalars tensors, so the
-program is not compiled again each step. The table says what that is worth in host time.
+- ``fs_program``: the compiled step's update (:mod:`funshard.step.update_program`): the
+  chain's own ops over the shards, its scalars worked out on the host and handed over as
+  one tensor per step, compiled once.
+
+The last two are the two candidates for the compiled step's update: torch's capturable
+AdamW keeps the step counts on the device and computes the bias corrections there; the
+update program keeps fs.optim's counts and state (and its numbers, op for op) and computes
+them on the host.
 
     python -m benchmarks.update_candidates [--rounds 15] [--steps 50]
 """
@@ -24,6 +30,7 @@ import time
 import torch
 
 import funshard as fs
+from funshard.step.update_program import UpdateProgram
 
 from .bench import host_config
 from .launch import launch
@@ -54,9 +61,18 @@ def run_rank(cfg: Config, rounds: int, steps: int) -> dict:
         step = torch.compile(o.step) if compiled else o.step
         return lambda i: step()
 
+    program = UpdateProgram({})
+    held = [None, fs.shard({k: v.detach().clone().requires_grad_(v.requires_grad)
+                            for k, v in named.items()}, mesh)]
+    held[0] = opt.init(held[1])
+
+    def fs_program(i):
+        held[1], held[0] = program(opt, grads, held[0], held[1], step=i, norm=1.0,
+                                   device=torch.device("cpu"))
+
     runs = {"fs_optim": fs_optim, "torch_foreach": torch_like(False),
-            "torch_compiled": torch_like(True)}
-    for run in runs.values():  # warm-up (compiles the third)
+            "torch_compiled": torch_like(True), "fs_program": fs_program}
+    for run in runs.values():  # warm-up (compiles the last two)
         for i in range(3):
             run(i + 1)
     times: dict[str, list[float]] = {m: [] for m in runs}

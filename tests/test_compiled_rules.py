@@ -72,7 +72,7 @@ def nonfinite(spec, compile, skip, steps=4, bad=2):
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
 def test_a_nonfinite_step_is_refused_by_name_with_the_state_unchanged(pools, spec):
     for seen, _, counts, graphs in pools.run(spec, nonfinite, AOT, False, timeout=600):
-        assert graphs == 1, graphs  # the refused step ran the program
+        assert graphs == 2, graphs  # the refused step ran the program
         assert len(seen) == 3 and all(math.isfinite(l) for l, _ in seen[:2]), seen
         kind, msg, same = seen[2]
         assert kind == "FloatingPointError" and same, (kind, msg)
@@ -85,7 +85,7 @@ def test_a_skipped_nonfinite_step_trains_on_as_the_eager_step(pools, spec):
     for (es, ep, ec, _), (cs, cp, cc, graphs) in zip(
             pools.run(spec, nonfinite, False, True, timeout=600),
             pools.run(spec, nonfinite, AOT, True, timeout=600)):
-        assert graphs == 1, graphs
+        assert graphs == 2, graphs
         assert [k for _, k in cs] == [k for _, k in es] == [0, 0, 1, 0], (cs, es)
         assert cc == ec == (4, 1), (cc, ec)
         assert all(abs(a - b) <= 1e-5 for (a, _), (b, _) in zip(cs, es) if math.isfinite(b))
@@ -207,8 +207,10 @@ def test_dropout_draws_as_the_eager_step(pools, policy):
     the eager recompute draws them again from the same state)."""
     for r in pools.run(2, dropout_runs, policy, timeout=600):
         (el, ep), (cl, cp) = r["eager"], r["compiled"]
-        assert cl == el, (cl, el)
-        assert all(torch.equal(cp[k], ep[k]) for k in ep)
+        # the draws are the eager step's; the update is the compiled step's own program (the
+        # same ops, which aot_eager's vectorised loops may round apart)
+        assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-6, (cl, el)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-6
 
 
 _LOG = logging.getLogger("funshard.tests.model")  # as a library's module has its own
@@ -279,8 +281,10 @@ def test_logging_in_the_model_runs_at_the_eager_step_and_not_in_the_program(pool
     and are no-ops in the program, as Python's side effects under ``jax.jit``."""
     for r in pools.run(2, logging_runs, timeout=600):
         (el, ep, _, _, erec), (cl, cp, graphs, breaks, crec) = r["eager"], r["compiled"]
-        assert graphs == 1 and breaks == 0, (graphs, breaks)
-        assert cl == el and all(torch.equal(cp[k], ep[k]) for k in ep), (cl, el)
+        assert graphs == 2 and breaks == 0, (graphs, breaks)
+        assert cl == el, (cl, el)
+        # (the update is the compiled step's own program: aot_eager may round it apart)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-6
         assert erec.count("forward of a _LoggingNet") == 3 and erec.count("said once") == 1
         assert crec == ["forward of a _LoggingNet", "said once"], crec  # the eager step's
 
@@ -367,9 +371,11 @@ def test_the_program_keeps_the_guards_on_what_the_caller_owns(pools):
         assert any(n.startswith("program.loss_fn.__closure__") for n in kept), kept[:5]
 
 
-def cycles_left(spec, compile):
-    """What Python's cyclic collector finds after 4 steps (after 2 to warm up): the types of
-    the objects only it could free."""
+def cycles_left(spec, compile, windows=3):
+    """What Python's cyclic collector finds in each of ``windows`` windows of 2 steps (after
+    2 to warm up): per window, the types of the objects made in it that only the collector
+    could free. (Garbage an earlier test's compile left, which torch's weak caches let go of
+    as the steps free tensors, was made before: not the step's.)"""
     import gc
 
     torch._dynamo.reset()
@@ -378,19 +384,24 @@ def cycles_left(spec, compile):
     step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
                          policy=fs.Policy(clip_norm=1.0), compile=compile)
     state = step.init(fs.shard(fs.params(model), mesh(spec)))
-    batches = _batches(6, world, 2)
+    batches = _batches(2 + 2 * windows, world, 2)
     rows = slice(rank * 2, (rank + 1) * 2)
     for x, y in batches[:2]:
         state, _ = step(state, (x[rows], y[rows], torch.tensor(1.0)))
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
+    found = []
     try:
-        for x, y in batches[2:]:
-            state, metrics = step(state, (x[rows], y[rows], torch.tensor(1.0)))
-        float(metrics["loss"])
-        gc.collect()
-        found = sorted({type(o).__qualname__ for o in gc.garbage})
+        for w in range(windows):
+            before = {id(o) for o in gc.get_objects()}
+            for x, y in batches[2 + 2 * w:4 + 2 * w]:
+                state, metrics = step(state, (x[rows], y[rows], torch.tensor(1.0)))
+            float(metrics["loss"])
+            gc.collect()
+            found.append({type(o).__qualname__ for o in gc.garbage if id(o) not in before})
+            gc.garbage.clear()
+            del before
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
@@ -404,8 +415,8 @@ def test_a_step_leaves_no_reference_cycle(pools, compile):
     """A step's garbage is freed as it goes: a reference cycle made per step would be left
     to Python's cyclic collector, whose collections, step after step, end in a full one over
     every object torch.compile made (half a second on a small GPT)."""
-    for found in pools.run(2, cycles_left, compile):
-        assert found == [], found
+    for windows in pools.run(2, cycles_left, compile):
+        assert not any(windows), [sorted(w)[:12] for w in windows]
 
 
 def reached_by_one(spec, compile, steps=3):

@@ -64,12 +64,15 @@ class GradientTransformation(NamedTuple):
 class Optimizer(NamedTuple):
     """``init(params) -> state`` and ``update(grads, state, params, *, step) -> (params, state)``.
 
-    ``transform`` is the :class:`GradientTransformation` it applies (what ``chain`` composes).
+    ``transform`` is the :class:`GradientTransformation` it applies (what ``chain`` composes);
+    ``traced``, where the optimizer is one of ``adam``, ``adamw``, ``sgd``, what it does, in
+    the form a compiled step holds (:class:`funshard.optim.traced.Traced`).
     """
 
     init: Callable[[Tree], Tree]
     update: Callable[..., tuple[Tree, Tree]]
     transform: Optional[GradientTransformation] = None
+    traced: Any = None
 
 
 class EmptyState(NamedTuple):

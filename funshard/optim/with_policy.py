@@ -29,7 +29,10 @@ def with_policy(optimizer: Optimizer, *, clip_norm: Optional[float] = None,
     if not front:
         return optimizer
     if optimizer.transform is not None:
-        return chain(*front, optimizer.transform)
+        t = optimizer.traced  # (a second clip has no traced form)
+        return chain(*front, optimizer.transform)._replace(
+            traced=None if t is None or (t.clip is not None and clip_norm is not None)
+            else t._replace(clip=clip_norm if clip_norm is not None else t.clip))
 
     def update(grads: Tree, state: Tree, params: Tree, *, step: int):
         spec, _, p_leaves, deltas = deltas_of(grads, params, step)

@@ -216,7 +216,8 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
 
     out = (eager() if compiled is None else
            compiled.grads(params, leaves, bufs, batch, eager, state.loss_scale))
-    new_state, metrics = update.update(optimizer, policy, params, state, out, batch)
+    new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
+                                       None if compiled is None else compiled.updates)
     if bufs is not None:
         if not metrics["skipped"]:  # a skipped step keeps the buffers too
             buffers_.sync(policy.buffers, work, params.mesh)

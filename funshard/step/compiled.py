@@ -22,9 +22,11 @@ the mean over ranks here too.
 per signature of the arguments runs eagerly, shows the modules and tries the program,
 later ones run ``fn``'s program under ``torch.no_grad()``.
 
-The update (the metrics, the non-finite rule, clipping and the optimizer) runs after the
-program, as the eager step runs it: the state, metrics, checkpoints and state dicts are the
-eager step's, and a run may switch between the two at any checkpoint.
+The update follows the program: the metrics and the non-finite rule as the eager step
+makes them, then the optimizer, which for ``adam``, ``adamw`` and ``sgd`` with momentum
+(the Policy's clip in front) is the step's second program, from the first step on
+(:mod:`funshard.step.update_program`). The state, metrics, checkpoints and state dicts are
+the eager step's, and a run may switch between the two at any checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from . import backend, batches, update
 from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
+from .update_program import UpdateProgram
 
 _OPTIONS = ("backend", "mode", "dynamic", "options", "fallback")
 _EAGER = object()  # what Compiled._traced gives where a signature runs eagerly
@@ -128,8 +131,8 @@ def _inputs(program, leaves: list) -> list:
 # [Note: the program's own guards] dynamo guards every Python value a trace reads. Most of
 # what the program reads is its own: the layouts, groups, buckets and tree template the step
 # worked out before tracing, read through ``program`` (1,768 of the 4,184 guard entries on
-# the host-bound GPT, each checked before every call; measured 2026-11-26). They are fixed when the Program is made,
-# and a new signature is a new Program, so those guards are dropped. What the program reads
+# the host-bound GPT, each checked before every call; measured 2026-11-26). They are fixed
+# when the Program is made, and a new signature is a new Program, so those guards are dropped. What the program reads
 # of the caller's is kept: ``loss_fn`` and its closure, the group modules (``blocks``), the
 # Policy, the tensors passed in, and the globals.
 _OWN = tuple(f"program.{a}" for a in (
@@ -180,6 +183,10 @@ class Compiled:
         self.fallback = options.pop("fallback", None) == "eager"
         self.options = options
         self.entries: dict[tuple, _Entry] = {}
+        # the update, the step's second program (for the optimizers it covers), from the
+        # first step on: every step of a run takes the same update, whichever computed its
+        # gradients
+        self.updates = UpdateProgram(_inductor_options(options)) if train else None
 
     def grads(self, params: ParamGroups, leaves: list, bufs: Any, batch: Any,
               eager: Callable[[], update.Grads], scale=None) -> update.Grads:

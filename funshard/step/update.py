@@ -145,10 +145,11 @@ def _drop_unreached(params: ParamGroups, grads: list, present: list[int],
     return [i for i, f in zip(present, flags) if f]
 
 
-def update(optimizer, policy, params: ParamGroups, state, out: Grads,
-           batch: Any) -> tuple[Any, dict]:
+def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
+           program=None) -> tuple[Any, dict]:
     """Metrics, the non-finite rule, and the optimizer (with the Policy's apply_if_finite and
-    clip_by_global_norm in front) on the local shards."""
+    clip_by_global_norm in front) on the local shards; ``program``: the compiled step's
+    :class:`~funshard.step.update_program.UpdateProgram`, for the optimizers it covers."""
     check_trained(params, out.grads)
     ls = state.loss_scale  # the gradients' scale: divided out first ([Note: loss scaling])
     if ls is not None:
@@ -180,8 +181,13 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads,
     # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
     with measured(grad_tree, norm, finite) as seen:
         # the optimizer counts the updates it applied (see TrainState)
-        new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
-                                                 step=state.step - state.skipped)
+        if program is not None and finite and program.covers(optimizer):
+            new_params, opt_state = program(optimizer, grad_tree, state.opt_state, state.params,
+                                            step=state.step - state.skipped, norm=norm,
+                                            device=params.device)
+        else:
+            new_params, opt_state = optimizer.update(grad_tree, state.opt_state, state.params,
+                                                     step=state.step - state.skipped)
     metrics["skipped"] = int(seen.dropped)
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                           skipped=state.skipped + int(seen.dropped), buffers=None,

@@ -1,0 +1,162 @@
+"""The updates of ``adam``, ``adamw`` and ``sgd`` (with the Policy's clip in front) in the form
+a compiled program holds: :class:`Traced` says what the chain does; :func:`prepare` works out
+on the host what changes from step to step (the learning rate, each leaf's bias corrections,
+the clip factor) as one small tensor; :func:`adam_update` and :func:`sgd_update` are plain
+torch over the local shards, with no Python branch on a value, so one trace serves every
+step.
+
+[Note: an update the compiler can hold] The chains' own update (:mod:`.apply`) keeps its
+scalars as Python numbers and branches on them (a factor of 1 skips a multiply, leaves are
+grouped by their scalars): traced, each step's numbers are new constants, and the program
+was compiled again at every step (measured 2026-11-26, ``benchmarks.update_candidates``).
+Here the numbers that change from step to step (the learning rate, the bias corrections of
+each leaf's count, the clip factor) are formed on the host as the chains form them (Python
+floats, then each op's float32 scalar) and reach the program as a tensor with one row per
+set of leaves that share them; what does not change (which leaves decay, an L2 penalty,
+SGD's first step) is fixed in the trace, and the program is made once per grouping of the
+leaves. A clip factor the chain would skip is applied as 1, which is exact. The ops are the
+chains' (hence ``torch.optim``'s foreach ones), in their order: ``p *= 1 - lr * wd``, ``p +=
+(-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)``. Run op by op, Adam's numbers are the
+chain's bit for bit; SGD's last add rounds once more (a multiply, then an add, where the
+chain's ``add_(alpha=)`` fuses them); compiled, the fused kernels may round differently
+(float32: about 1e-7 relative).
+
+A chain of other transformations has no such form: the compiled step runs its update
+eagerly, as the eager step does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .base import (ScalarOrSchedule, Tree, advance_counts, flatten, locals_of, lr_at,
+                   path_str)
+
+
+class Traced(NamedTuple):
+    """What an ``adam``, ``adamw`` or ``sgd`` chain does, for :func:`prepare`."""
+
+    kind: str  # "adam" or "sgd"
+    lr: ScalarOrSchedule
+    hyper: tuple  # adam: (b1, b2, eps); sgd: (momentum, dampening, nesterov)
+    weight_decay: float
+    decoupled: bool  # AdamW's decay, after the direction; else an L2 penalty on the gradient
+    mask: Any = None  # where the decay applies (as add_decayed_weights' mask); None: everywhere
+    clip: Optional[float] = None  # the global norm clip in front (Policy(clip_norm=))
+
+
+class Prepared(NamedTuple):
+    """One step's update: ``groups`` (per row of ``scal``, the positions of its leaves),
+    ``static`` (per group, what fixes its ops: its L2 penalty and whether AdamW's decay or
+    SGD's first step applies), ``scal`` (the rows, Python floats), the state with its counts
+    advanced."""
+
+    groups: tuple
+    static: tuple
+    scal: list
+    state: Any
+
+
+def _decays(t: Traced, params: Tree) -> list[bool]:
+    if t.mask is None or t.weight_decay == 0.0:
+        return [t.weight_decay != 0.0] * len(flatten(params)[1])
+    from .combine import _per_leaf
+    return [bool(f) for f in _per_leaf(t.mask, params, "mask")]
+
+
+def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
+            norm: float) -> Prepared:
+    """The host's part of one update: ``grads`` per leaf (None: no update), ``norm`` the
+    step's global gradient norm (finite). The state's counts advance as the chain's do."""
+    paths, _, _ = flatten(params)
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
+    held = flatten(tensors)[1]
+    for i in idx:
+        if held[i] is None:
+            raise ValueError(f"an update reached leaf {path_str(paths[i])}, which has no "
+                             "optimizer state (it was frozen or absent at init)")
+    prior, count = advance_counts(state.count, len(grads), idx, step)
+    coef = 1.0 if t.clip is None else min(1.0, t.clip / (norm + 1e-6))
+    lr, decays = lr_at(t.lr, step), _decays(t, params)
+    rows: dict[tuple, list[int]] = {}
+    for i in idx:
+        lead = prior[i] if t.kind == "adam" else prior[i] == 0  # a count, or SGD's first
+        rows.setdefault((lead, decays[i]), []).append(i)
+    wd = t.weight_decay
+    static = tuple((0.0 if t.decoupled or not d else wd, d and t.decoupled)
+                   if t.kind == "adam" else (wd if d else 0.0, lead)
+                   for lead, d in rows)
+    scal = [_row(t, key, coef, lr) for key in rows]
+    return Prepared(tuple(tuple(v) for v in rows.values()), static, scal,
+                    state._replace(count=count))
+
+
+def _row(t: Traced, key: tuple, coef: float, lr: float) -> list[float]:
+    """One row of scalars, as the chains form them (in Python floats)."""
+    n, decay = key
+    if t.kind == "sgd":
+        return [coef, -lr]
+    b1, b2, _ = t.hyper
+    bc1, bc2 = 1 - b1 ** float(n + 1), (1 - b2 ** float(n + 1)) ** 0.5
+    return [coef, -lr / bc1, bc2, 1 + t.weight_decay * -lr if decay and t.decoupled else 1.0]
+
+
+def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tree) -> tuple:
+    """The program's tensor inputs: per group, its leaves' (gradient, param, state...)
+    local tensors."""
+    p = locals_of(flatten(params)[1])
+    if t.kind == "adam":
+        more = [locals_of(flatten(state.exp_avg)[1]), locals_of(flatten(state.exp_avg_sq)[1])]
+    else:
+        more = [locals_of(flatten(state.momentum_buffer)[1])]
+    return tuple(tuple((grads[i], p[i], *(m[i] for m in more)) for i in g)
+                 for g in prepared.groups)
+
+
+def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor) -> None:
+    """Adam's (and AdamW's) update of every leaf, in place: ``groups[r]`` are the
+    ``(grad, param, exp_avg, exp_avg_sq)`` local tensors that take row ``r`` of ``scal``
+    (``coef, -lr / bc1, sqrt(bc2), 1 - lr * wd``) and ``static[r]`` (``l2, decay``). Each op
+    is the chain's, in its order (``addcdiv_`` is ``p + (value * m) / den``)."""
+    b1, b2, eps = hyper
+    for (l2, decay), leaves, row in zip(static, groups, scal.unbind()):
+        coef, s, bc2, shrink = row.unbind()
+        for g, p, m, v in leaves:
+            g = g.to(p.dtype) * coef
+            if l2:
+                g = g.add(p, alpha=l2)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if decay:
+                p.mul_(shrink)
+            p.add_(s * m / (v.sqrt() / bc2 + eps))
+
+
+def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor) -> None:
+    """SGD's update with momentum, in place: ``groups[r]`` are the ``(grad, param,
+    momentum_buffer)`` local tensors of row ``r`` (``coef, -lr``), ``static[r]`` is
+    ``(l2, first)`` (a leaf's first update sets its buffer to its gradient)."""
+    momentum, dampening, nesterov = hyper
+    for (l2, first), leaves, row in zip(static, groups, scal.unbind()):
+        coef, lr = row.unbind()
+        for g, p, buf in leaves:
+            g = g.to(p.dtype) * coef
+            if l2:
+                g = g.add(p, alpha=l2)
+            if first:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            p.add_((g.add(buf, alpha=momentum) if nesterov else buf) * lr)
+
+
+UPDATES = {"adam": adam_update, "sgd": sgd_update}
+
+
+def traceable(t: Optional[Traced]) -> bool:
+    """Whether :func:`prepare` covers ``t`` (SGD without momentum keeps the eager update:
+    its chain folds the decay in differently when nothing clips)."""
+    return t is not None and not (t.kind == "sgd" and t.hyper[0] == 0.0)

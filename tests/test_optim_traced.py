@@ -1,0 +1,119 @@
+"""The update a compiled step holds (``funshard.optim.traced``) gives the numbers of the
+fs.optim chain it stands for: ``adam``, ``adamw`` (with a decay mask) and ``sgd`` with
+momentum (Nesterov, dampening), under a global-norm clip, with leaves that get no gradient
+at some steps (their counts, hence their bias corrections, fall behind) and a frozen leaf.
+Run here op by op, Adam's numbers are the chain's bit for bit (the compiler fuses the same
+ops; the compiled step's tests compare it with the eager step); SGD's last add rounds once
+more (a multiply, then an add, where the chain's ``add_(alpha=)`` fuses them)."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+import funshard as fs
+from funshard.optim import traced
+from funshard.optim.base import flatten
+from funshard.optim.with_policy import with_policy
+
+SHAPES = {"a.weight": (4, 3), "a.bias": (4,), "b.weight": (3, 4), "frozen": (2,)}
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+    out["frozen"].requires_grad_(False)
+    for k in SHAPES:
+        if k != "frozen":
+            out[k].requires_grad_(True)
+    return out
+
+
+def _grads(seed, steps, skip):
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for n in range(steps):
+        out.append({k: None if k == "frozen" or (k == "a.bias" and n in skip)
+                    else torch.randn(s, generator=g) * 3 for k, s in SHAPES.items()})
+    return out
+
+
+def _norm(grads, params):
+    """The global norm as the chain's clip measures it (the step hands its own over)."""
+    return fs.optim.global_norm(grads, params)
+
+
+def _run(opt, params, grads_seq, held):
+    state = opt.init(params)
+    for step, grads in enumerate(grads_seq):
+        if not held:
+            params, state = opt.update(grads, state, params, step=step)
+            continue
+        leaves = flatten(grads)[1]
+        prep = traced.prepare(opt.traced, leaves, state, params, step=step,
+                              norm=_norm(grads, params))
+        with torch.no_grad():
+            held_leaves = traced.leaves_of(prep, opt.traced, leaves, prep.state, params)
+            traced.UPDATES[opt.traced.kind](opt.traced.hyper, prep.static, held_leaves,
+                                            torch.tensor(prep.scal, dtype=torch.float32))
+        state = prep.state
+    return params, state
+
+
+OPTIMIZERS = {
+    "adamw": lambda lr: fs.optim.adamw(lr, weight_decay=0.1,
+                                       mask=lambda fqn: fqn.endswith("weight")),
+    "adamw_fused": lambda lr: fs.optim.adamw(lr, weight_decay=0.05, fused=True),
+    "adam": lambda lr: fs.optim.adam(lr, weight_decay=0.01),
+    "adam_eps": lambda lr: fs.optim.adam(lr, betas=(0.8, 0.9), eps=0.5),  # eps tells
+    "sgd": lambda lr: fs.optim.sgd(lr, momentum=0.9, weight_decay=0.01, dampening=0.1),
+    "nesterov": lambda lr: fs.optim.sgd(fs.optim.cosine(lr, 0.0, 10), momentum=0.8,
+                                        nesterov=True),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), clip=st.sampled_from([None, 0.5, 1e3]),
+       lr=st.sampled_from([1e-3, 0.1]), steps=st.integers(1, 5),
+       skip=st.sets(st.integers(0, 4), max_size=2), seed=st.integers(0, 99))
+def test_the_held_update_gives_the_chains_numbers(name, clip, lr, steps, skip, seed):
+    opt = OPTIMIZERS[name](lr)
+    if clip is not None:
+        opt = with_policy(opt, clip_norm=clip)
+    assert traced.traceable(opt.traced), name
+    grads = _grads(seed, steps, skip)
+    ep, es = _run(opt, _params(seed), grads, held=False)
+    hp, hs = _run(opt, _params(seed), grads, held=True)
+    exact = name.startswith("adam") and name != "adamw_fused"  # op for op the chain's
+    for k in SHAPES:
+        same = torch.equal(hp[k], ep[k]) if exact else torch.allclose(hp[k], ep[k], rtol=1e-5,
+                                                                      atol=1e-6)
+        assert same, (k, (hp[k] - ep[k]).abs().max())
+    for a, b in zip(flatten(hs)[1], flatten(es)[1]):
+        if isinstance(a, torch.Tensor):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+        else:
+            assert a == b  # the counts, leaf by leaf
+    assert torch.equal(hp["frozen"], _params(seed)["frozen"])
+
+
+def test_only_the_usual_optimizers_have_a_held_form():
+    assert not traced.traceable(fs.optim.sgd(0.1).traced)  # no momentum: the eager update
+    assert fs.optim.chain(fs.optim.scale_by_adam(), fs.optim.scale(-1e-3)).traced is None
+    assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3).traced is None
+    twice = with_policy(with_policy(fs.optim.adamw(1e-3), clip_norm=1.0), clip_norm=2.0)
+    assert twice.traced is None  # two clips in front: the chain's own update
+    once = with_policy(fs.optim.adamw(1e-3), clip_norm=1.0, skip_nonfinite=True)
+    assert once.traced.clip == 1.0
+
+
+def test_a_leaf_that_has_no_state_is_refused_by_name():
+    opt = fs.optim.adamw(1e-3)
+    params = _params(0)
+    state = opt.init(params)
+    leaves = [torch.ones(s) for s in SHAPES.values()]  # a gradient for the frozen leaf too
+    order = flatten(params)[0]
+    try:
+        traced.prepare(opt.traced, leaves, state, params, step=0, norm=1.0)
+    except ValueError as e:
+        assert "frozen" in str(e) and "no optimizer state" in str(e), e
+    else:
+        raise AssertionError(f"not refused: {order}")
