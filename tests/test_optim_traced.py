@@ -117,3 +117,19 @@ def test_a_leaf_that_has_no_state_is_refused_by_name():
         assert "frozen" in str(e) and "no optimizer state" in str(e), e
     else:
         raise AssertionError(f"not refused: {order}")
+
+
+def test_a_mask_that_is_not_a_bool_is_refused_as_the_chain_refuses_it():
+    opt = fs.optim.adamw(1e-3, weight_decay=0.1, mask=lambda fqn: 1)
+    params = _params(0)
+    state = opt.init(params)
+    leaves = flatten(_grads(0, 1, set())[0])[1]
+    errors = []
+    for run in (lambda: opt.update(_grads(0, 1, set())[0], state, params, step=0),
+                lambda: traced.prepare(opt.traced, leaves, state, params, step=0, norm=1.0)):
+        try:
+            run()
+        except TypeError as e:
+            errors.append(str(e))
+    assert len(errors) == 2 and errors[0] == errors[1], errors
+    assert "a.bias" in errors[1] or "a.weight" in errors[1], errors

@@ -60,10 +60,15 @@ class Prepared(NamedTuple):
 
 
 def _decays(t: Traced, params: Tree) -> list[bool]:
+    """Which leaves decay: the mask's flags, refused as ``masked`` refuses them."""
     if t.mask is None or t.weight_decay == 0.0:
         return [t.weight_decay != 0.0] * len(flatten(params)[1])
     from .combine import _per_leaf
-    return [bool(f) for f in _per_leaf(t.mask, params, "mask")]
+    flags = _per_leaf(t.mask, params, "mask")
+    for p, f in zip(flatten(params)[0], flags):
+        if not isinstance(f, bool):
+            raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
+    return flags
 
 
 def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
