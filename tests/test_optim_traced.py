@@ -133,3 +133,27 @@ def test_a_mask_that_is_not_a_bool_is_refused_as_the_chain_refuses_it():
             errors.append(str(e))
     assert len(errors) == 2 and errors[0] == errors[1], errors
     assert "a.bias" in errors[1] or "a.weight" in errors[1], errors
+
+
+def test_the_update_program_takes_gradients_in_another_memory_layout():
+    """The compiled update reads nothing of the caller's: gradients that come with other
+    strides (an eager step's bucket views, then a program's tensors) are compiled for
+    again, not refused, and the numbers stay the chain's."""
+    from funshard.step.update_program import UpdateProgram
+
+    torch._dynamo.reset()
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    program = UpdateProgram({"backend": "aot_eager"})
+    params, ref = _params(1), _params(1)
+    state, ref_state = opt.init(params), opt.init(ref)
+    for step, grads in enumerate(_grads(1, 3, set())):
+        if step == 1:  # the same values, column-major where a leaf is a matrix
+            grads = {k: None if g is None else
+                     (g.t().contiguous().t() if g.ndim == 2 else g) for k, g in grads.items()}
+        norm = _norm(grads, params)
+        params, state = program(opt, grads, state, params, step=step, norm=norm,
+                                device=torch.device("cpu"))
+        ref, ref_state = opt.update(grads, ref_state, ref, step=step)
+    torch._dynamo.reset()
+    for k in SHAPES:
+        assert torch.allclose(params[k], ref[k], rtol=1e-6, atol=1e-7), k

@@ -4,9 +4,11 @@ the step's second compiled program, over every leaf's local shards at once.
 The host works out the step's scalars ([Note: an update the compiler can hold] in
 :mod:`funshard.optim.traced`) and copies them to the device as one small tensor without a
 wait (from pinned memory on a GPU); the program reads them there, so one trace serves every
-step. It is made once per (optimizer, leaves' grouping by their scalars) and, like the
-gradients' program, refuses to be compiled again for the same grouping. Any other optimizer
-(a custom chain, ``from_torch``, ``muon``) runs its update eagerly after the program.
+step. It is made once per (optimizer, leaves' grouping by their scalars). Unlike the
+gradients' program it reads nothing of the caller's from Python (the schedule runs on the
+host), so where dynamo would compile it again (gradients that came in another memory
+layout) it does, rather than refuse the step. Any other optimizer (a custom chain,
+``from_torch``, ``muon``) runs its update eagerly after the program.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
 and timed side by side (``python -m benchmarks.update_candidates``, AdamW over the
@@ -90,9 +92,8 @@ class UpdateProgram:
             fn = torch.compile(_fresh(f"funshard_update_{next(_ids)}"), fullgraph=True,
                                **backend.compile_options({**self.options, "dynamic": False}))
             self.fns[key] = entry = [fn, False]
-        stance = _compat.refusing_recompiles() if entry[1] else contextlib.nullcontext()
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
-        with torch.no_grad(), logs, stance:
+        with torch.no_grad(), logs:
             entry[0](traced_.UPDATES[t.kind], t.hyper, prep.static, leaves,
                      _scalars(prep.scal, device))
         entry[1] = True
