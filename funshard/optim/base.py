@@ -289,6 +289,14 @@ def advance_counts(count: Tree, n: int, idx: list[int], step: int) -> tuple[list
     return prior, unflatten(spec, counts)
 
 
+def check_held(paths: list, idx: list[int], held: list) -> None:
+    """Every leaf at ``idx`` (given an update) has its optimizer state in ``held``."""
+    missing = [i for i in idx if held[i] is None]
+    if missing:
+        raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
+                         "optimizer state (it was frozen or absent at init)")
+
+
 def as_delta(u: Any) -> Optional[Delta]:
     """A transform's output leaf as a Delta: plain tensors (a custom transform's) are wrapped."""
     if u is None or isinstance(u, Delta):

@@ -88,6 +88,16 @@ def _restrict(tree: Tree, keep: list[bool]) -> Tree:
     return unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
 
 
+def mask_flags(mask: Union[Tree, Callable[[str], bool]], params: Tree) -> list[bool]:
+    """``mask``'s flag per params leaf (see :func:`masked`); a flag that is not a bool is
+    refused, naming its leaf."""
+    flags = _per_leaf(mask, params, "mask")
+    for p, f in zip(flatten(params)[0], flags):
+        if not isinstance(f, bool):
+            raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
+    return flags
+
+
 def masked(inner: Transform, mask: Union[Tree, Callable[[str], bool]]) -> GradientTransformation:
     """``inner`` on the leaves where ``mask`` is True; the other updates pass unchanged.
 
@@ -101,11 +111,7 @@ def masked(inner: Transform, mask: Union[Tree, Callable[[str], bool]]) -> Gradie
     t = as_transform(inner, "masked")
 
     def keep(params: Tree) -> list[bool]:
-        flags = _per_leaf(mask, params, "mask")
-        for p, f in zip(flatten(params)[0], flags):
-            if not isinstance(f, bool):
-                raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
-        return flags
+        return mask_flags(mask, params)
 
     def init(params: Tree) -> Tree:
         return t.init(_restrict(params, keep(params)))

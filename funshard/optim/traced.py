@@ -31,8 +31,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .base import (ScalarOrSchedule, Tree, advance_counts, flatten, locals_of, lr_at,
-                   path_str)
+from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, locals_of,
+                   lr_at)
 
 
 class Traced(NamedTuple):
@@ -63,12 +63,8 @@ def _decays(t: Traced, params: Tree) -> list[bool]:
     """Which leaves decay: the mask's flags, refused as ``masked`` refuses them."""
     if t.mask is None or t.weight_decay == 0.0:
         return [t.weight_decay != 0.0] * len(flatten(params)[1])
-    from .combine import _per_leaf
-    flags = _per_leaf(t.mask, params, "mask")
-    for p, f in zip(flatten(params)[0], flags):
-        if not isinstance(f, bool):
-            raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
-    return flags
+    from .combine import mask_flags  # (combine imports the chains' modules)
+    return mask_flags(t.mask, params)
 
 
 def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
@@ -78,11 +74,7 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
     paths, _, _ = flatten(params)
     idx = [i for i, g in enumerate(grads) if g is not None]
     tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
-    held = flatten(tensors)[1]
-    for i in idx:
-        if held[i] is None:
-            raise ValueError(f"an update reached leaf {path_str(paths[i])}, which has no "
-                             "optimizer state (it was frozen or absent at init)")
+    check_held(paths, idx, flatten(tensors)[1])
     prior, count = advance_counts(state.count, len(grads), idx, step)
     coef = 1.0 if t.clip is None else min(1.0, t.clip / (norm + 1e-6))
     lr, decays = lr_at(t.lr, step), _decays(t, params)

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
-                   ScalarOrSchedule, Tree, advance_counts, as_delta, check, check_lr, chunks,
-                   counts_tree, flatten, group_by, locals_of, lr_at, materialize, path_str,
-                   unflatten, zeros_tree)
+                   ScalarOrSchedule, Tree, advance_counts, as_delta, check, check_held,
+                   check_lr, chunks, counts_tree, flatten, group_by, locals_of, lr_at,
+                   materialize, unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -55,10 +55,7 @@ def active(updates: Tree, params: Tree, *states: Tree, lazy: bool = False):
     s_leaves = [flatten(s)[1] for s in states]
     idx = [i for i, u in enumerate(u_leaves) if u is not None]
     for s in s_leaves:
-        missing = [i for i in idx if s[i] is None]
-        if missing:
-            raise ValueError(f"an update reached leaf {path_str(paths[missing[0]])}, which has no "
-                             "optimizer state (it was frozen or absent at init)")
+        check_held(paths, idx, s)
     grads = [u_leaves[i] if lazy else materialize(u_leaves[i], p_leaves[i]) for i in idx]
     return (spec, u_leaves, idx, grads, locals_of([p_leaves[i] for i in idx]),
             [locals_of([s[i] for i in idx]) for s in s_leaves])

@@ -17,6 +17,8 @@ A region with its own ``context_fn`` is left as it is.
 from __future__ import annotations
 
 import functools
+import types
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -69,6 +71,13 @@ class Backend:
     def get_compiler_config(self):
         get = getattr(self.inner, "get_compiler_config", None)
         return get() if get is not None else None
+
+
+def fresh(fn: Callable, name: str) -> Callable:
+    """``fn`` under a code object of its own named ``name``: dynamo's cache is per code
+    object, so each such function is compiled and guarded on its own."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name)
 
 
 def compile_options(options: dict) -> dict:

@@ -35,7 +35,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import types
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -112,13 +111,6 @@ def _signature(tree: Any) -> tuple:
                         for x in leaves))
 
 
-def _fresh(name: str) -> Callable:
-    """A function of its own code object: dynamo's cache is per code object, so each
-    signature's program is compiled and guarded on its own."""
-    code = _call_program.__code__.replace(co_name=name)
-    return types.FunctionType(code, _call_program.__globals__, name)
-
-
 def _inputs(program, leaves: list) -> list:
     """The program's shard inputs: the trainable ones fresh leaves that require grad
     (dynamo on torch 2.11 cannot make a graph's own tensor require grad)."""
@@ -132,9 +124,9 @@ def _inputs(program, leaves: list) -> list:
 # what the program reads is its own: the layouts, groups, buckets and tree template the step
 # worked out before tracing, read through ``program`` (1,768 of the 4,184 guard entries on
 # the host-bound GPT, each checked before every call; measured 2026-11-26). They are fixed
-# when the Program is made, and a new signature is a new Program, so those guards are dropped. What the program reads
-# of the caller's is kept: ``loss_fn`` and its closure, the group modules (``blocks``), the
-# Policy, the tensors passed in, and the globals.
+# when the Program is made, and a new signature is a new Program, so those guards are
+# dropped. What the program reads of the caller's is kept: ``loss_fn`` and its closure, the
+# group modules (``blocks``), the Policy, the tensors passed in, and the globals.
 _OWN = tuple(f"program.{a}" for a in (
     "params", "like", "template", "trainable", "buckets", "regions", "shard_group",
     "replicate_group", "shard_mesh", "world", "alone", "train", "leaves"))
@@ -284,7 +276,9 @@ class Compiled:
             if sub is not None:
                 blocks[gi] = (sub, sub.forward)
         program = Program(self.fn, params, self.policy, blocks, leaves, train=self.train)
-        fn = torch.compile(_fresh(f"funshard_{self.where}_{next(_ids)}"), fullgraph=True,
+        # (each signature's program under a code object of its own: guarded on its own)
+        fn = torch.compile(backend.fresh(_call_program, f"funshard_{self.where}_{next(_ids)}"),
+                           fullgraph=True,
                            **backend.compile_options(_inductor_options(self.options)),
                            **_guard_options())
         patches = [(sub, functools.partial(program.block, gi))

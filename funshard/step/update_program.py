@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .. import _compat
 from ..optim import traced as traced_
-from ..optim.base import flatten
+from ..optim.base import flatten, locals_of
 from . import backend
 
 _ids = itertools.count()
@@ -41,12 +40,6 @@ _ids = itertools.count()
 
 def _update(fn, hyper, static, groups, scal):
     return fn(hyper, static, groups, scal)
-
-
-def _fresh(name: str) -> Callable:
-    """:func:`_update` under a code object of its own (dynamo caches per code object)."""
-    code = _update.__code__.replace(co_name=name)
-    return types.FunctionType(code, _update.__globals__, name)
 
 
 def _scalars(rows: list, device: torch.device) -> torch.Tensor:
@@ -83,13 +76,14 @@ class UpdateProgram:
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm)
         if not prep.groups:
             return params, prep.state
-        local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
-                       for group in traced_.leaves_of(prep, t, local, prep.state, params))
+                       for group in traced_.leaves_of(prep, t, locals_of(grads), prep.state,
+                                                      params))
         key = (t.kind, t.hyper, prep.static, tuple(len(g) for g in prep.groups))
         entry = self.fns.get(key)
         if entry is None:
-            fn = torch.compile(_fresh(f"funshard_update_{next(_ids)}"), fullgraph=True,
+            fn = torch.compile(backend.fresh(_update, f"funshard_update_{next(_ids)}"),
+                               fullgraph=True,
                                **backend.compile_options({**self.options, "dynamic": False}))
             self.fns[key] = entry = [fn, False]
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
