@@ -128,6 +128,7 @@ def with_mode(spec, mode, steps=3):
     """The eager step and the compiled one under ``torch.compile``'s ``mode`` (inductor):
     losses and full parameters; what the program's backend was given."""
     from funshard.step import backend
+    from funshard.step.update_program import without_cuda_graphs
 
     out = {}
     for name, compile in (("eager", False), ("compiled", {"mode": mode})):
@@ -143,15 +144,19 @@ def with_mode(spec, mode, steps=3):
             losses.append(float(metrics["loss"]))
         out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
     inner = backend.compile_options({"mode": mode})["backend"].inner
+    update = backend.compile_options(without_cuda_graphs({"mode": mode}))["backend"].inner
     torch._dynamo.reset()
-    return out, dict(getattr(inner, "config", {}))
+    return out, dict(getattr(inner, "config", {})), dict(getattr(update, "config", {}))
 
 
 def test_torch_compiles_mode_reaches_inductor_and_trains_as_the_eager_step(pools):
     """``compile={"mode": "reduce-overhead"}``: inductor gets the mode's options (CUDA graphs;
-    on the CPU inductor compiles without them) and the step trains as the eager one."""
-    (out, config), = pools.run(1, with_mode, "reduce-overhead", timeout=900)
+    on the CPU inductor compiles without them) and the step trains as the eager one. The
+    update program is compiled without them: it writes its inputs in place (the CUDA lane's
+    ``compiled_step_cudagraphs`` runs both on a GPU)."""
+    (out, config, update), = pools.run(1, with_mode, "reduce-overhead", timeout=900)
     assert config.get("triton.cudagraphs") is True, config
+    assert update.get("triton.cudagraphs") is False, update
     (el, ep), (cl, cp) = out["eager"], out["compiled"]
     assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (cl, el)
     assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5

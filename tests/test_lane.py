@@ -47,6 +47,8 @@ POLICIES = {
     "compile": {"_compile": True},
     # train_step(compile=...): the whole step as one program (the same backends)
     "compiled_step": {"_program": True},
+    # and with CUDA graphs: recorded at its third step, replayed from the fourth
+    "compiled_step_cudagraphs": {"_program": "reduce-overhead"},
 }
 COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 
@@ -97,16 +99,17 @@ def step_equals_one_process(spec, policy, force=True):
             loss_fn = torch.compile(loss_fn, backend=COMPILE_BACKEND)
         if program:
             torch._dynamo.reset()
+        mode = {"mode": program} if isinstance(program, str) else {}
         step = fs.train_step(loss_fn, fs.optim.adamw(1e-2, weight_decay=0.1, fused=fused),
                              policy=fs.Policy(**policy),
-                             compile={"backend": COMPILE_BACKEND} if program else False)
+                             compile={"backend": COMPILE_BACKEND, **mode} if program else False)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1,
                                 **({"fused": True} if fused else {"foreach": True}))
         g = torch.Generator().manual_seed(1)
         errors = _Errors()  # what torch logs as an error while it compiles the program
         logging.getLogger("torch._dynamo").addHandler(errors)
-        for _ in range(2):
+        for _ in range(5 if mode else 2):
             b = _batch(g, world, dev)
             # a dispatch mode (the counter) would make dynamo run loss_fn eagerly
             quiet = compiled or program
@@ -129,9 +132,16 @@ def step_equals_one_process(spec, policy, force=True):
         return err, abs(metrics["loss"] - loss.item()), cc and dict(cc.counts), where
 
 
+def _cuda_graphs_on_a_gpu(policy):
+    if policy == "compiled_step_cudagraphs" and DEVICE != "cuda":
+        pytest.skip("CUDA graphs are a GPU's; tests/test_compiled_rules.py runs the mode on "
+                    "the CPU")
+
+
 @pytest.mark.parametrize("policy", list(POLICIES), ids=str)
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_step_equals_one_process(pools, spec, policy):
+    _cuda_graphs_on_a_gpu(policy)
     for rank, (err, loss_err, counts, where) in enumerate(
             pools.run(spec, step_equals_one_process, POLICIES[policy])):
         assert err < TOL and loss_err < TOL, (rank, err, loss_err)
@@ -144,10 +154,11 @@ def test_step_equals_one_process(pools, spec, policy):
 
 
 @pytest.mark.parametrize("policy", ["full", "accumulate_clip", "checkpoint", "fused_adamw",
-                                    "compile", "compiled_step"])
+                                    "compile", "compiled_step", "compiled_step_cudagraphs"])
 def test_one_device_as_a_user_runs_it(pools, policy):
     """A world of one with its collectives not forced, as on a single GPU: nothing to gather,
     the parameters are autograd leaves on the shards (Group.alias), no collective runs."""
+    _cuda_graphs_on_a_gpu(policy)
     err, loss_err, counts, where = pools.run(1, step_equals_one_process, POLICIES[policy],
                                              False)[0]
     assert err < TOL and loss_err < TOL, (err, loss_err)

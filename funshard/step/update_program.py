@@ -56,6 +56,19 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t.detach()
 
 
+def without_cuda_graphs(options: dict) -> dict:
+    """The update's ``torch.compile`` options: the step's, for static shapes and, under
+    inductor, with no CUDA graphs whatever the mode. The update writes its inputs in place
+    (parameters, moments), which inductor's CUDA graphs do not record; asked to (the step's
+    ``mode="reduce-overhead"``), torch 2.11 crashed the step's process (SIGSEGV) on an H100,
+    and with those inputs' addresses marked static, the recording read gradients that the
+    gradients' CUDA graph had since overwritten. The gradients' program keeps the mode."""
+    out = {**options, "dynamic": False}
+    if out.get("backend", "inductor") == "inductor":
+        out["options"] = {**(out.get("options") or {}), "triton.cudagraphs": False}
+    return out
+
+
 class UpdateProgram:
     """The compiled updates of one ``train_step``, keyed by what fixes their trace. The
     shards' shapes never change, so each is compiled for static shapes whatever the
@@ -84,7 +97,7 @@ class UpdateProgram:
         if entry is None:
             fn = torch.compile(backend.fresh(_update, f"funshard_update_{next(_ids)}"),
                                fullgraph=True,
-                               **backend.compile_options({**self.options, "dynamic": False}))
+                               **backend.compile_options(without_cuda_graphs(self.options)))
             self.fns[key] = entry = [fn, False]
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
         with torch.no_grad(), logs:
