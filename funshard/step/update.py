@@ -47,7 +47,7 @@ def check_trained(params: ParamGroups, grads: list) -> None:
         )
 
 
-def _empty_batch(batch: Any) -> str:
+def empty_batch(batch: Any) -> str:
     """'' or a note naming this rank's first empty batch leaf."""
     if isinstance(batch, batches.MicroBatches):
         batch = list(batch.parts)
@@ -164,18 +164,10 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     overflow = scaling.overflowed(policy, ls, grads_finite, loss_finite)
     if not finite and not policy.skip_nonfinite and not overflow:
         if "count" in metrics and not metrics["count"] > 0:
-            raise FloatingPointError(
-                f"train_step: fs.Mean's count, summed over every rank and micro-batch, is "
-                f"{metrics['count']} at step {state.step}: there is no item to average over "
-                "(every label masked?). The parameters and optimizer state are unchanged; "
-                "pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+            raise count_error(metrics["count"], state.step)
         if not grads_finite:
-            _raise_nonfinite(params, grads, present, state.step, _empty_batch(batch))
-        raise FloatingPointError(
-            f"train_step: the loss is {metrics['loss']} (mean over ranks) at step "
-            f"{state.step}{_empty_batch(batch)}. The parameters and optimizer state are "
-            "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
-            "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+            _raise_nonfinite(params, grads, present, state.step, empty_batch(batch))
+        raise loss_error(metrics["loss"], state.step, empty_batch(batch))
     grad_tree = pytree.unflatten(params.spec, grads)  # None for frozen/unused leaves
     # the transforms take the norm and the finite check the metrics' all-reduce measured
     # ([Note: the step's norm] in funshard.optim.clip); every rank sees the same values
@@ -198,12 +190,37 @@ def _raise_nonfinite(params: ParamGroups, grads: list, present: list[int], step:
                      note: str) -> None:
     """Name the first parameter (in tree order, over all ranks) whose gradient is not finite."""
     hits = [present[j] for j in first_nonfinite([grads[i] for i in present], params.mesh)]
+    raise nonfinite_error(params, hits, step, note)
+
+
+def nonfinite_error(params: ParamGroups, hits: list[int], step: int,
+                    note: str) -> FloatingPointError:
+    """The refusal of a step whose gradients of leaves ``hits`` are not finite (none: the
+    norm, from the loss)."""
     lay = params.layouts[hits[0]] if hits else None
     where = (f"the gradient of {lay.path!r} (shape {tuple(lay.shape)}, on "
              f"{mesh_str(params.mesh)})" if lay else "the loss")
-    raise FloatingPointError(
+    return FloatingPointError(
         f"train_step: {where} is not finite (NaN or inf) at step {step}"
         f"{f'; {len(hits)} parameters in all' if len(hits) > 1 else ''}{note}. The parameters and "
         "optimizer state are unchanged. Lower the learning rate or check the data, or pass "
         "fs.Policy(skip_nonfinite=True) to skip such steps."
     )
+
+
+def count_error(count: float, step: int) -> FloatingPointError:
+    """The refusal of a step whose ``fs.Mean`` counted no item."""
+    return FloatingPointError(
+        f"train_step: fs.Mean's count, summed over every rank and micro-batch, is "
+        f"{count} at step {step}: there is no item to average over "
+        "(every label masked?). The parameters and optimizer state are unchanged; "
+        "pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+
+
+def loss_error(loss: float, step: int, note: str) -> FloatingPointError:
+    """The refusal of a step whose loss (mean over ranks) is not finite."""
+    return FloatingPointError(
+        f"train_step: the loss is {loss} (mean over ranks) at step "
+        f"{step}{note}. The parameters and optimizer state are "
+        "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
+        "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
