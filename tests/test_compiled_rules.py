@@ -56,27 +56,44 @@ def nonfinite(spec, compile, skip, steps=4, bad=2):
         rows = slice(rank * per, (rank + 1) * per)
         before = ({k: v.to_local().clone() for k, v in state.params.items()},
                   _opt_locals(state))
-        try:
-            state, metrics = step(state, (x[rows], y[rows], s))
+        new = None
+        try:  # refused in the step or, compiled, at the metrics' read
+            new, metrics = step(state, (x[rows], y[rows], s))
+            seen.append((float(metrics["loss"]), int(metrics["skipped"])))
         except Exception as e:  # noqa: BLE001 - refused: what it said, and the state held?
             same = (all(torch.equal(before[0][k], v.to_local())
                         for k, v in state.params.items())
                     and all(torch.equal(a, b) for a, b in zip(before[1], _opt_locals(state))))
-            seen.append((type(e).__name__, str(e), same))
+            seen.append((type(e).__name__, str(e), same, _refuses(new)))
             break
-        seen.append((float(metrics["loss"]), int(metrics["skipped"])))
+        state = new
     full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
     return seen, full, (state.step, state.skipped), counters["stats"]["unique_graphs"]
 
 
+def _refuses(state) -> str | None:
+    """What reading ``state`` (the state a refused step returned, if it returned) raised."""
+    if state is None:
+        return None
+    try:
+        state.params
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+    return "nothing"
+
+
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
 def test_a_nonfinite_step_is_refused_by_name_with_the_state_unchanged(pools, spec):
+    """Compiled, the step returns before it reads anything: the refusal comes at the
+    metrics' read, the update skipped on the device; the state passed in is usable again,
+    unchanged, and the one returned refuses to be read."""
     for seen, _, counts, graphs in pools.run(spec, nonfinite, AOT, False, timeout=600):
         assert graphs == 2, graphs  # the refused step ran the program
         assert len(seen) == 3 and all(math.isfinite(l) for l, _ in seen[:2]), seen
-        kind, msg, same = seen[2]
+        kind, msg, same, returned = seen[2]
         assert kind == "FloatingPointError" and same, (kind, msg)
         assert "is not finite" in msg and "'" in msg and "unchanged" in msg, msg
+        assert "skipped on the device" in msg and returned == "FloatingPointError", returned
         assert counts == (2, 0), counts
 
 

@@ -264,11 +264,18 @@ def host_reads(spec, policy_kwargs, optimizer, compile=False):
                          compile=compile)
     state = step.init(fs.shard(fs.params(model), m))
     for _ in range(2):
-        state, _ = step(state, batch)
+        state, metrics = step(state, batch)
+    if compile:  # read: else the step's start reads the checks it left on the device
+        float(metrics["loss"])
     reads = _HostReads()
     with reads:
         state, metrics = step(state, batch)
-    return reads.seen, metrics["loss"]
+    if not compile:
+        return reads.seen, metrics["loss"]
+    read = _HostReads()  # the compiled step's read: the caller's
+    with read:
+        loss = metrics["loss"]
+    return reads.seen, read.seen, loss
 
 
 @pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
@@ -284,14 +291,21 @@ def test_a_step_reads_the_device_once(pools, spec, policy):
         assert loss == loss  # the step ran
 
 
+COMPILED = {"clip": {"clip_norm": 1.0}, "mean_accumulate": {"_mean": True, "accumulate": 2},
+            "grad_op_mixed": {"reshard_after_forward": False, "param_dtype": torch.bfloat16}}
+
+
 @pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
-def test_a_compiled_step_reads_the_device_once(pools, spec):
-    """The compiled step's program reads nothing on the host: its one read is the eager
-    step's, the metrics after the program."""
-    for rank, (seen, loss) in enumerate(pools.run(
-            spec, host_reads, {"clip_norm": 1.0}, "adamw", {"backend": "aot_eager"})):
-        assert sum(seen.values()) == 1 and all(w.startswith("step/update.py") for w in seen), \
-            (rank, seen)
+@pytest.mark.parametrize("policy", list(COMPILED), ids=str)
+def test_a_compiled_step_reads_nothing_until_the_caller_does(pools, spec, policy):
+    """The compiled step (adamw, the default rule for a non-finite step) reads nothing on
+    the host: its checks and metrics wait on the device; the caller's first read of the
+    metrics is the one read (unread, the next step's start reads them)."""
+    for rank, (seen, read, loss) in enumerate(pools.run(
+            spec, host_reads, COMPILED[policy], "adamw", {"backend": "aot_eager"})):
+        assert seen == {}, (rank, seen)
+        assert sum(read.values()) == 1 and all(w.startswith("step/deferred.py") for w in read), \
+            (rank, read)
         assert loss == loss  # the step ran
 
 

@@ -68,15 +68,16 @@ def _decays(t: Traced, params: Tree) -> list[bool]:
 
 
 def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
-            norm: float) -> Prepared:
+            norm: Optional[float]) -> Prepared:
     """The host's part of one update: ``grads`` per leaf (None: no update), ``norm`` the
-    step's global gradient norm (finite). The state's counts advance as the chain's do."""
+    step's global gradient norm (finite; None: the clip factor is worked out on the device
+    and the rows carry 1). The state's counts advance as the chain's do."""
     paths, _, _ = flatten(params)
     idx = [i for i, g in enumerate(grads) if g is not None]
     tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
     check_held(paths, idx, flatten(tensors)[1])
     prior, count = advance_counts(state.count, len(grads), idx, step)
-    coef = 1.0 if t.clip is None else min(1.0, t.clip / (norm + 1e-6))
+    coef = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
     lr, decays = lr_at(t.lr, step), _decays(t, params)
     rows: dict[tuple, list[int]] = {}
     for i in idx:
@@ -113,41 +114,68 @@ def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tr
                  for g in prepared.groups)
 
 
-def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor) -> None:
+def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
+                dev: Optional[torch.Tensor] = None) -> None:
     """Adam's (and AdamW's) update of every leaf, in place: ``groups[r]`` are the
     ``(grad, param, exp_avg, exp_avg_sq)`` local tensors that take row ``r`` of ``scal``
     (``coef, -lr / bc1, sqrt(bc2), 1 - lr * wd``) and ``static[r]`` (``l2, decay``). Each op
-    is the chain's, in its order (``addcdiv_`` is ``p + (value * m) / den``)."""
+    is the chain's, in its order (``addcdiv_`` is ``p + (value * m) / den``). ``dev``: the
+    step's ``(clip factor, ok)`` worked out on the device ([Note: a step that reads nothing]
+    in :mod:`funshard.step.deferred`): the factor multiplies each row's, and where ``ok`` is
+    0 every tensor keeps its value."""
     b1, b2, eps = hyper
+    gain, keep = (None, None) if dev is None else (dev[0], dev[1] > 0)
     for (l2, decay), leaves, row in zip(static, groups, scal.unbind()):
         coef, s, bc2, shrink = row.unbind()
+        coef = coef if gain is None else coef * gain
         for g, p, m, v in leaves:
             g = g.to(p.dtype) * coef
             if l2:
                 g = g.add(p, alpha=l2)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            if decay:
-                p.mul_(shrink)
-            p.add_(s * m / (v.sqrt() / bc2 + eps))
+            if keep is None:
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if decay:
+                    p.mul_(shrink)
+                p.add_(s * m / (v.sqrt() / bc2 + eps))
+                continue
+            m2 = m.lerp(g, 1 - b1)
+            v2 = v.mul(b2).addcmul_(g, g, value=1 - b2)
+            p2 = (p.mul(shrink) if decay else p).add(s * m2 / (v2.sqrt() / bc2 + eps))
+            _keep(keep, (m, v, p), (m2, v2, p2))
 
 
-def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor) -> None:
+def _keep(keep: torch.Tensor, olds: tuple, news: tuple) -> None:
+    """Each of ``olds`` takes its new value where ``keep`` is true, else stays."""
+    for old, new in zip(olds, news):
+        old.copy_(torch.where(keep, new, old))
+
+
+def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
+               dev: Optional[torch.Tensor] = None) -> None:
     """SGD's update with momentum, in place: ``groups[r]`` are the ``(grad, param,
     momentum_buffer)`` local tensors of row ``r`` (``coef, -lr``), ``static[r]`` is
-    ``(l2, first)`` (a leaf's first update sets its buffer to its gradient)."""
+    ``(l2, first)`` (a leaf's first update sets its buffer to its gradient). ``dev``: as
+    :func:`adam_update`'s."""
     momentum, dampening, nesterov = hyper
+    gain, keep = (None, None) if dev is None else (dev[0], dev[1] > 0)
     for (l2, first), leaves, row in zip(static, groups, scal.unbind()):
         coef, lr = row.unbind()
+        coef = coef if gain is None else coef * gain
         for g, p, buf in leaves:
             g = g.to(p.dtype) * coef
             if l2:
                 g = g.add(p, alpha=l2)
-            if first:
-                buf.copy_(g)
-            else:
-                buf.mul_(momentum).add_(g, alpha=1 - dampening)
-            p.add_((g.add(buf, alpha=momentum) if nesterov else buf) * lr)
+            if keep is None:
+                if first:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+                p.add_((g.add(buf, alpha=momentum) if nesterov else buf) * lr)
+                continue
+            b2 = g if first else buf.mul(momentum).add_(g, alpha=1 - dampening)
+            p2 = p.add((g.add(b2, alpha=momentum) if nesterov else b2) * lr)
+            _keep(keep, (buf, p), (b2, p2))
 
 
 UPDATES = {"adam": adam_update, "sgd": sgd_update}

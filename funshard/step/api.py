@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import collectives, pytree
 from ..optim.with_policy import with_policy
-from . import agree, batches, call, donation, lazy, recompute, scaling, update
+from . import agree, batches, call, deferred, donation, lazy, recompute, scaling, update
 from . import buffers as buffers_
 from . import loss as loss_
 from . import direct as direct_
@@ -216,8 +216,12 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
 
     out = (eager() if compiled is None else
            compiled.grads(params, leaves, bufs, batch, eager, state.loss_scale))
-    new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
-                                       None if compiled is None else compiled.updates)
+    if deferred.usable(compiled, optimizer, policy, state):  # no host read
+        new_state, metrics = deferred.update(optimizer, policy, params, state, out, batch,
+                                             compiled.updates)
+    else:
+        new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
+                                           None if compiled is None else compiled.updates)
     if bufs is not None:
         if not metrics["skipped"]:  # a skipped step keeps the buffers too
             buffers_.sync(policy.buffers, work, params.mesh)
@@ -225,7 +229,9 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
         new_state = new_state._replace(buffers=state.buffers)
     # the optimizer updates the leaves in place: the new state holds the same tensors
     donations.donate(state)
-    return donations.remember(new_state, leaves), metrics
+    new_state = donations.remember(new_state, leaves)
+    deferred.attach(metrics, state, new_state, donations, leaves)
+    return new_state, metrics
 
 
 def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),

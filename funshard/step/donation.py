@@ -23,13 +23,16 @@ class Donatable:
 
     __slots__ = ()
     _donated_to = None  # the step the state was given to, once it was
+    _pending = None  # the checks of the step that returned it, until read (step.deferred)
 
     def __iter__(self):
+        settle(self)
         if self._donated_to is not None:
             refuse(self, "iterating (unpacking, _replace, pickling, a state dict of) it")
         return tuple.__iter__(self)
 
     def __getitem__(self, i):
+        settle(self)
         if self._donated_to is not None:
             refuse(self, f"indexing it ([{i!r}], as fs.state_dict and fs.checkpoint.save do)")
         return tuple.__getitem__(self, i)
@@ -45,11 +48,21 @@ def field(index: int, name: str) -> property:
     """The NamedTuple field ``name`` (at ``index``), refused on a donated state."""
 
     def read(state):
+        settle(state)
         if state._donated_to is not None:
             refuse(state, f"reading its .{name}")
         return tuple.__getitem__(state, index)
 
     return property(read, doc=f"``{name}`` (refused once the state is donated to a step).")
+
+
+def settle(state) -> None:
+    """Read the checks of the step that returned ``state``, if not yet read: raises that
+    step's refusal ([Note: a step that reads nothing] in :mod:`funshard.step.deferred`)."""
+    pending = state._pending
+    if pending is not None:
+        pending.settle()
+        state._pending = None
 
 
 def refuse(state, what: str):

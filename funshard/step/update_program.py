@@ -38,8 +38,8 @@ from . import backend
 _ids = itertools.count()
 
 
-def _update(fn, hyper, static, groups, scal):
-    return fn(hyper, static, groups, scal)
+def _update(fn, hyper, static, groups, scal, dev):
+    return fn(hyper, static, groups, scal, dev)
 
 
 def _scalars(rows: list, device: torch.device) -> torch.Tensor:
@@ -83,8 +83,12 @@ class UpdateProgram:
         return traced_.traceable(getattr(optimizer, "traced", None))
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
-                 norm: float, device: torch.device) -> tuple[Any, Any]:
-        """Update ``params`` and ``opt_state`` in place (donated); return them."""
+                 norm: float | None, device: torch.device,
+                 dev: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """Update ``params`` and ``opt_state`` in place (donated); return them. ``norm``: the
+        step's global norm, read on the host; or None and ``dev``, the step's ``(clip
+        factor, ok)`` on the device ([Note: a step that reads nothing] in
+        :mod:`funshard.step.deferred`)."""
         t, grads = optimizer.traced, flatten(grad_tree)[1]
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm)
         if not prep.groups:
@@ -92,7 +96,7 @@ class UpdateProgram:
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
                        for group in traced_.leaves_of(prep, t, locals_of(grads), prep.state,
                                                       params))
-        key = (t.kind, t.hyper, prep.static, tuple(len(g) for g in prep.groups))
+        key = (t.kind, t.hyper, prep.static, tuple(len(g) for g in prep.groups), dev is None)
         entry = self.fns.get(key)
         if entry is None:
             fn = torch.compile(backend.fresh(_update, f"funshard_update_{next(_ids)}"),
@@ -102,6 +106,6 @@ class UpdateProgram:
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
         with torch.no_grad(), logs:
             entry[0](traced_.UPDATES[t.kind], t.hyper, prep.static, leaves,
-                     _scalars(prep.scal, device))
+                     _scalars(prep.scal, device), dev)
         entry[1] = True
         return params, prep.state

@@ -1,0 +1,257 @@
+"""The compiled step's update without a read on the host: its checks and metrics stay on the
+device until the caller reads them.
+
+[Note: a step that reads nothing] The eager step reads its metrics on the host before the
+update (the loss and the global norm: the non-finite rule, the clip factor, the checks that
+the ranks agree); on a GPU the host then waits for backward to finish, and the device idles
+while the update is issued. Here, for the compiled step with an update the compiler holds
+(:mod:`funshard.step.update_program`), the Policy's default rule (a non-finite step is
+refused), no loss scale and no buffers, the same all-reduce carries the same sums, and the
+device works out what the host did: ``ok`` (the loss and norm finite, the ranks' gather
+orders and kinds of loss alike) and the clip factor. The update program applies the update
+where ``ok`` holds and keeps every tensor where it does not. The host reads the sums later,
+once, at the first of: the caller reading ``metrics`` (any key), the next step (reading the
+state it returned), ``fs.state_dict`` or a checkpoint of that state. A check that failed
+raises there, with the message the eager step gives; the state passed into the refused step
+is then usable again (its tensors kept their values on the device) and the state it returned
+refuses to be read. A rank whose loss reached some trainable leaf on no rank of its own
+reads the per-leaf flags at once (which leaves no rank reached), as the eager step does; a
+float16 loss scale, ``skip_nonfinite`` and buffers (their write-back depends on the verdict)
+keep the eager step's read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives, pytree
+from . import agree, batches
+from . import loss as loss_
+from .params import ParamGroups
+from .update import (Grads, check_trained, count_error, empty_batch, loss_error,
+                     nonfinite_error)
+
+_HEAD = 8  # loss, sq, count, means, rows, rows^2, order h, h^2; then per leaf: sq, reached
+
+
+def usable(compiled, optimizer, policy, state) -> bool:
+    """Whether this step goes without the host read: the same on every rank."""
+    return (compiled is not None and compiled.updates.covers(optimizer)
+            and not policy.skip_nonfinite and state.loss_scale is None
+            and state.buffers is None)
+
+
+class Verdict:
+    """One step's all-reduced sums on the device, and how to read them: :meth:`settle`
+    reads them once and returns the metrics, or raises the step's refusal (every time)."""
+
+    def __init__(self, read: Callable[[list], dict], vec: torch.Tensor):
+        self.read, self.vec = read, vec
+        self.values: dict | None = None
+        self.error: BaseException | None = None
+        self.on_refused: Callable[[], None] | None = None
+
+    def settle(self) -> dict:
+        if self.error is None and self.values is None:
+            try:
+                self.values = self.read(self.vec.tolist())  # the step's one read, when asked
+            except (ValueError, FloatingPointError) as e:
+                self.error = type(e)(
+                    f"{e} (Read after the step returned: its update was skipped on the "
+                    "device, the state passed into it is usable again, and the state it "
+                    "returned is refused.)")
+                if self.on_refused is not None:
+                    self.on_refused()
+            self.vec = None
+        if self.error is not None:
+            raise self.error
+        return self.values
+
+
+class Metrics(dict):
+    """A step's metrics, as a dict, whose device values are read (and whose checks are
+    acted on) at the first access to any of them."""
+
+    def __init__(self, host: dict, verdict: Verdict):
+        super().__init__(host)
+        self.verdict = verdict
+
+    def _read(self) -> None:
+        if self.verdict is not None:
+            dict.update(self, self.verdict.settle())
+            self.verdict = None
+
+    def __getitem__(self, key):
+        self._read()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self._read()
+        return dict.get(self, key, default)
+
+    def __iter__(self):  # dict(m), {**m}: through here and __getitem__
+        self._read()
+        return dict.__iter__(self)
+
+    def items(self):
+        self._read()
+        return dict.items(self)
+
+    def values(self):
+        self._read()
+        return dict.values(self)
+
+    def copy(self) -> dict:
+        self._read()
+        return dict(dict.items(self))
+
+    def __eq__(self, other) -> bool:
+        self._read()
+        return dict.__eq__(self, other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        self._read()
+        return dict.__repr__(self)
+
+    def __reduce__(self):
+        return (dict, (self.copy(),))
+
+
+def attach(metrics: dict, old, new, donations, leaves: list) -> None:
+    """``new`` (the state the step returned) reads ``metrics``' verdict before any field;
+    a refusal makes ``old`` (the state passed in) usable again."""
+    if not isinstance(metrics, Metrics) or metrics.verdict is None:
+        return
+    verdict = metrics.verdict
+
+    def refused() -> None:
+        old._donated_to = None
+        donations.remember(old, leaves)
+
+    verdict.on_refused = refused
+    new._pending = verdict
+
+
+def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> torch.Tensor:
+    """This rank's part of the step's sums: what the eager step's metrics all-reduce
+    carries, and per leaf its weighted squared norm and whether this rank reached it."""
+    dev = params.device
+    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
+                               lambda: [params.norm_weight[i] for i in present])
+    grads = [out.grads[i] for i in present]
+    norms = torch._foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
+    per = torch.stack(norms).double() ** 2 * weights
+    order = params.on_device(("order", out.order), torch.float64,
+                             lambda: agree.order_sums(out.order))
+    reached = params.on_device(("reached", tuple(i in out.used for i in present)),
+                               torch.float64, lambda: [float(i in out.used) for i in present])
+    if out.count is not None:  # fs.Mean: its count and kind
+        kind = torch.stack([out.count.double(), torch.ones((), dtype=torch.float64,
+                                                            device=dev)])
+        loss = out.loss_sum.double()
+        kind = torch.cat([kind, torch.zeros(2, dtype=torch.float64, device=dev)])
+    else:
+        at_rows, at_sq = params.on_device("rows", torch.float64,
+                                          lambda: [[0, 0, 1, 0], [0, 0, 0, 1]])
+        kind = at_rows * float(rows) + at_sq * float(rows * rows)
+        loss = (out.loss_sum / k).double()
+    return torch.cat([torch.stack([loss, per.sum()]), kind, order, per, reached])
+
+
+def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip) -> tuple:
+    """From the all-reduced sums: the loss, the squared norm, the gradients' factor (fs.Mean;
+    else None) and ``(clip factor, ok)`` as float32, as the host would work them out."""
+    world = params.world
+    loss, sq, count, means = vec[0], vec[1], vec[2], vec[3]
+    h, h2 = vec[6], vec[7]
+    ok = (h * h == world * h2) & (means == (world if mean else 0))
+    factor = None
+    if mean:
+        factor = world / count
+        loss, sq = loss / count, sq * (factor * factor)
+        ok = ok & (count > 0)
+    else:
+        loss = loss / world
+    ok = ok & loss.isfinite() & sq.isfinite()
+    gain = (torch.ones_like(sq) if clip is None
+            else (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0))
+    return factor, torch.stack([gain, ok.double()]).float()
+
+
+def _reader(params: ParamGroups, out: Grads, present: list, host: dict, step: int,
+            note: str) -> Callable[[list], dict]:
+    """How the host reads the sums: the eager step's checks, then the metrics."""
+    world, mean = params.world, out.count is not None
+
+    def read(vals: list) -> dict:
+        loss, sq, count, means, n, n2, h, h2 = vals[:_HEAD]
+        per = vals[_HEAD:_HEAD + len(present)]
+        agree.check_order([h, h2], params, out.order)
+        factor = loss_.check_kind(means, count, world) if means else None
+        if not means:
+            loss_.check_rows(n, n2, world)
+        if factor is None:
+            loss /= world
+        else:
+            loss = loss / count if count > 0 else math.nan
+            sq *= factor * factor
+        norm = math.sqrt(sq) if sq > 0 else 0.0 if sq <= 0 else math.nan
+        metrics = {**host, "loss": loss, "grad_norm": norm}
+        if mean:
+            metrics["count"] = count
+        if math.isfinite(norm) and math.isfinite(loss):
+            return metrics
+        if mean and not count > 0:
+            raise count_error(count, step)
+        if not math.isfinite(norm):
+            raise nonfinite_error(params, [present[j] for j, v in enumerate(per)
+                                           if not math.isfinite(v)], step, note)
+        raise loss_error(loss, step, note)
+
+    return read
+
+
+def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
+           program) -> tuple[Any, Metrics]:
+    """The metrics' sums all-reduced, ``(clip factor, ok)`` worked out from them on the
+    device, and ``program``'s update applied where ``ok`` holds: no host read (but the
+    unreached-leaf rule's, on a rank that reached some leaf no rank may have)."""
+    check_trained(params, out.grads)
+    present = [i for i, g in enumerate(out.grads) if g is not None]
+    vec = _sums(params, out, present, policy.accumulate, batches.rows(batch))
+    if not collectives.skips(params.world):
+        with collectives.watch("all-reduce of the step's metrics", params.mesh):
+            dist.all_reduce(vec)
+    grads = list(out.grads)
+    if any(i not in out.used for i in present):  # did any rank reach it? (a read)
+        flags = vec[_HEAD + len(present):].tolist()
+        for i, f in zip(present, flags):
+            if not f:
+                grads[i] = None
+        check_trained(params, grads)
+    clip = optimizer.traced.clip
+    factor, dev = _on_device(params, vec, out.count is not None, clip)
+    if factor is not None:  # fs.Mean: the gradient of the mean over every item
+        kept = [g for g in grads if g is not None]
+        for dt in {g.dtype for g in kept}:
+            torch._foreach_mul_([g for g in kept if g.dtype == dt], factor.to(dt))
+    host = {"loss": None, "grad_norm": None, "unsharded_groups_peak": out.peaks[0],
+            "unsharded_bytes_peak": out.peaks[1], "skipped": 0}  # (the first two: when read)
+    if out.count is not None:
+        host["count"] = None
+    if any(a is not None for a in out.aux):
+        host["aux"] = out.aux[0] if policy.accumulate == 1 else out.aux
+    verdict = Verdict(_reader(params, out, present, host, state.step, empty_batch(batch)),
+                      vec)
+    new_params, opt_state = program(optimizer, pytree.unflatten(params.spec, grads),
+                                    state.opt_state, state.params,
+                                    step=state.step - state.skipped, norm=None,
+                                    device=params.device, dev=dev)
+    return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
+                          buffers=None), Metrics(host, verdict)
