@@ -252,7 +252,7 @@ class _HostReads:
         return False
 
 
-def host_reads(spec, policy_kwargs, optimizer, compile=False):
+def host_reads(spec, policy_kwargs, optimizer, compile=False, unread=False):
     """The host reads of a step after the first two (which learn the schedule; compiled,
     the first runs eagerly and the second compiles the program)."""
     m = mesh(spec)
@@ -265,7 +265,7 @@ def host_reads(spec, policy_kwargs, optimizer, compile=False):
     state = step.init(fs.shard(fs.params(model), m))
     for _ in range(2):
         state, metrics = step(state, batch)
-    if compile:  # read: else the step's start reads the checks it left on the device
+    if compile and not unread:  # read: else a step's start reads those of the one before last
         float(metrics["loss"])
     reads = _HostReads()
     with reads:
@@ -307,6 +307,19 @@ def test_a_compiled_step_reads_nothing_until_the_caller_does(pools, spec, policy
         assert sum(read.values()) == 1 and all(w.startswith("step/deferred.py") for w in read), \
             (rank, read)
         assert loss == loss  # the step ran
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_a_compiled_step_unread_reads_the_step_before_last(pools, spec):
+    """Metrics never read: a compiled step's start reads the checks of the step before
+    last (on a GPU, from pinned memory, after the device finished that step's backward),
+    so that a refusal comes two steps late at most, and nothing else."""
+    for rank, (seen, read, loss) in enumerate(pools.run(
+            spec, host_reads, {"clip_norm": 1.0}, "adamw", {"backend": "aot_eager"}, True)):
+        assert sum(seen.values()) == 1 and all(w.startswith("step/deferred.py") for w in seen), \
+            (rank, seen)
+        assert sum(read.values()) == 2, (rank, read)  # the caller's: this step's, the last one's
+        assert loss == loss
 
 
 @pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o != "from_torch"], ids=str)

@@ -191,12 +191,17 @@ def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups,
 
 
 def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
-           state: TrainState, batch: Any, compiled=None) -> tuple[TrainState, dict]:
+           state: TrainState, batch: Any, compiled=None,
+           pending=None) -> tuple[TrainState, dict]:
     """One step of :func:`train_step` (``groups_for``: its per-tree cache; ``compiled``: its
-    :class:`~funshard.step.compiled.Compiled`, or None)."""
+    :class:`~funshard.step.compiled.Compiled`, or None; ``pending``: the unread verdicts of
+    the compiled steps before it, :func:`~funshard.step.deferred.take`)."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                            "gradient can be computed; call it outside.")
+    no_read = deferred.usable(compiled, optimizer, policy, state)
+    if pending is not None and not no_read:  # this step reads: the earlier ones first
+        pending.settle()
     params, leaves = groups_for(state.params)
     donations.check(state, leaves)
     _check_counts(state)
@@ -216,9 +221,9 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
 
     out = (eager() if compiled is None else
            compiled.grads(params, leaves, bufs, batch, eager, state.loss_scale))
-    if deferred.usable(compiled, optimizer, policy, state):  # no host read
+    if no_read:
         new_state, metrics = deferred.update(optimizer, policy, params, state, out, batch,
-                                             compiled.updates)
+                                             compiled.updates, pending)
     else:
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
                                            None if compiled is None else compiled.updates)
@@ -230,7 +235,8 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
     # the optimizer updates the leaves in place: the new state holds the same tensors
     donations.donate(state)
     new_state = donations.remember(new_state, leaves)
-    deferred.attach(metrics, state, new_state, donations, leaves)
+    deferred.attach(metrics, state, new_state, donations, leaves,
+                    compiled and compiled.updates)
     return new_state, metrics
 
 
@@ -296,7 +302,12 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (collectives.failures)
         with collectives.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
-            return _apply(loss_fn, optimizer, policy, groups_for, donations, state,
-                          batch, compiled)
+            pending = deferred.take(state)  # the compiled steps' checks, read two steps late
+            try:
+                return _apply(loss_fn, optimizer, policy, groups_for, donations, state,
+                              batch, compiled, pending)
+            except BaseException:
+                deferred.give_back(state, pending)
+                raise
 
     return TrainStep(init, apply)

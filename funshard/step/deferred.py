@@ -8,16 +8,19 @@ while the update is issued. Here, for the compiled step with an update the compi
 (:mod:`funshard.step.update_program`), the Policy's default rule (a non-finite step is
 refused), no loss scale and no buffers, the same all-reduce carries the same sums, and the
 device works out what the host did: ``ok`` (the loss and norm finite, the ranks' gather
-orders and kinds of loss alike) and the clip factor. The update program applies the update
-where ``ok`` holds and keeps every tensor where it does not. The host reads the sums later,
-once, at the first of: the caller reading ``metrics`` (any key), the next step (reading the
-state it returned), ``fs.state_dict`` or a checkpoint of that state. A check that failed
-raises there, with the message the eager step gives; the state passed into the refused step
-is then usable again (its tensors kept their values on the device) and the state it returned
-refuses to be read. A rank whose loss reached some trainable leaf on no rank of its own
-reads the per-leaf flags at once (which leaves no rank reached), as the eager step does; a
-float16 loss scale, ``skip_nonfinite`` and buffers (their write-back depends on the verdict)
-keep the eager step's read.
+orders and kinds of loss alike, and no earlier step refused and unread) and the clip
+factor. The update program applies the update where ``ok`` holds and keeps every tensor
+where it does not. The sums come to the host (from pinned memory on a GPU, without a wait)
+and are read at the first of: the caller reading ``metrics`` (any key), ``fs.state_dict``
+or a checkpoint of the returned state, and the start of the step after next (the step
+after next, so that the host waits there for a backward the device finished long before:
+the host stays a step ahead). A check that failed raises there, with the message the eager
+step gives, on every rank at the same step; the state passed into the refused step is then
+usable again (its tensors kept their values on the device, the steps issued since skipped
+their updates too) and the states returned since refuse to be read. A rank whose loss
+reached some trainable leaf on no rank of its own reads the per-leaf flags at once (which
+leaves no rank reached), as the eager step does; a float16 loss scale, ``skip_nonfinite``
+and buffers (their write-back depends on the verdict) keep the eager step's read.
 """
 
 from __future__ import annotations
@@ -46,30 +49,81 @@ def usable(compiled, optimizer, policy, state) -> bool:
 
 
 class Verdict:
-    """One step's all-reduced sums on the device, and how to read them: :meth:`settle`
-    reads them once and returns the metrics, or raises the step's refusal (every time)."""
+    """One step's all-reduced sums, on their way to the host, and how to read them; the
+    verdict of the step before it, while unread (``prior``). :meth:`settle` reads them
+    once and returns the metrics, or raises the step's refusal (or an earlier step's: this
+    one's update was then skipped too), every time it is called."""
 
-    def __init__(self, read: Callable[[list], dict], vec: torch.Tensor):
-        self.read, self.vec = read, vec
+    def __init__(self, read: Callable[[list], dict], vec: torch.Tensor,
+                 prior: "Verdict | None"):
+        self.read, self.prior, self.event = read, prior, None
+        if vec.device.type == "cuda":  # no wait: pinned memory, an event to wait on later
+            self.host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            self.host.copy_(vec, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = vec
         self.values: dict | None = None
         self.error: BaseException | None = None
         self.on_refused: Callable[[], None] | None = None
 
+    def unread(self) -> list["Verdict"]:
+        """This verdict and the unread ones before it, oldest first."""
+        out, v = [], self
+        while v is not None and v.values is None and v.error is None:
+            out.append(v)
+            v = v.prior
+        return out[::-1]
+
     def settle(self) -> dict:
         if self.error is None and self.values is None:
             try:
-                self.values = self.read(self.vec.tolist())  # the step's one read, when asked
+                if self.prior is not None:
+                    self.prior.settle()
+                    self.prior = None
+                self._settle()
             except (ValueError, FloatingPointError) as e:
-                self.error = type(e)(
-                    f"{e} (Read after the step returned: its update was skipped on the "
-                    "device, the state passed into it is usable again, and the state it "
-                    "returned is refused.)")
-                if self.on_refused is not None:
-                    self.on_refused()
-            self.vec = None
+                self.error = self.error or e
+            self.host = self.read = None
+            if self.error is None:
+                self.on_refused = None
         if self.error is not None:
             raise self.error
         return self.values
+
+    def _settle(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        try:
+            self.values = self.read(self.host.tolist())  # the step's one read, when asked
+        except (ValueError, FloatingPointError) as e:
+            self.error = type(e)(
+                f"{e} (Read after the step returned: its update was skipped on the device, "
+                "as were those of the steps issued after it; the state passed into it is "
+                "usable again, and the states returned since are refused.)")
+            if self.on_refused is not None:
+                self.on_refused()
+
+
+def take(state) -> "Verdict | None":
+    """At a step's start: the unread verdicts of the steps before it, taken off ``state``
+    (so that reading its fields does not read them), all but the last read (waiting: it
+    is the step before last's, whose backward the device finished). A refusal raises."""
+    pending = getattr(state, "_pending", None)
+    if pending is None:
+        return None
+    unread = pending.unread()
+    for v in unread[:-1] if unread else [pending]:  # (read already: a refusal raises again)
+        v.settle()
+    state._pending = None
+    return pending if unread else None
+
+
+def give_back(state, pending: Verdict | None) -> None:
+    """A step that raised before it returned: ``state`` holds its verdicts again."""
+    if pending is not None and state._donated_to is None:
+        state._pending = pending
 
 
 class Metrics(dict):
@@ -123,9 +177,10 @@ class Metrics(dict):
         return (dict, (self.copy(),))
 
 
-def attach(metrics: dict, old, new, donations, leaves: list) -> None:
+def attach(metrics: dict, old, new, donations, leaves: list, program) -> None:
     """``new`` (the state the step returned) reads ``metrics``' verdict before any field;
-    a refusal makes ``old`` (the state passed in) usable again."""
+    a refusal makes ``old`` (the state passed in) usable again and lets the device update
+    again (``program``'s health)."""
     if not isinstance(metrics, Metrics) or metrics.verdict is None:
         return
     verdict = metrics.verdict
@@ -133,6 +188,7 @@ def attach(metrics: dict, old, new, donations, leaves: list) -> None:
     def refused() -> None:
         old._donated_to = None
         donations.remember(old, leaves)
+        program.health(None).fill_(True)
 
     verdict.on_refused = refused
     new._pending = verdict
@@ -164,9 +220,11 @@ def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> 
     return torch.cat([torch.stack([loss, per.sum()]), kind, order, per, reached])
 
 
-def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip) -> tuple:
-    """From the all-reduced sums: the loss, the squared norm, the gradients' factor (fs.Mean;
-    else None) and ``(clip factor, ok)`` as float32, as the host would work them out."""
+def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip,
+               health: torch.Tensor) -> tuple:
+    """From the all-reduced sums: the gradients' factor (fs.Mean; else None) and ``(clip
+    factor, ok)`` as float32, as the host would work them out; ``health`` (no step refused
+    and unread before this one) goes into ``ok`` and takes it."""
     world = params.world
     loss, sq, count, means = vec[0], vec[1], vec[2], vec[3]
     h, h2 = vec[6], vec[7]
@@ -178,21 +236,23 @@ def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip) -> tupl
         ok = ok & (count > 0)
     else:
         loss = loss / world
-    ok = ok & loss.isfinite() & sq.isfinite()
+    ok = ok & loss.isfinite() & sq.isfinite() & health
+    health.copy_(ok)
     gain = (torch.ones_like(sq) if clip is None
             else (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0))
     return factor, torch.stack([gain, ok.double()]).float()
 
 
-def _reader(params: ParamGroups, out: Grads, present: list, host: dict, step: int,
-            note: str) -> Callable[[list], dict]:
-    """How the host reads the sums: the eager step's checks, then the metrics."""
-    world, mean = params.world, out.count is not None
+def _reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
+            step: int, note: str) -> Callable[[list], dict]:
+    """How the host reads the sums: the eager step's checks, then the metrics. (It holds
+    no tensor of the step: the gradients are freed as the eager step frees them.)"""
+    world = params.world
 
     def read(vals: list) -> dict:
         loss, sq, count, means, n, n2, h, h2 = vals[:_HEAD]
         per = vals[_HEAD:_HEAD + len(present)]
-        agree.check_order([h, h2], params, out.order)
+        agree.check_order([h, h2], params, order)
         factor = loss_.check_kind(means, count, world) if means else None
         if not means:
             loss_.check_rows(n, n2, world)
@@ -218,7 +278,7 @@ def _reader(params: ParamGroups, out: Grads, present: list, host: dict, step: in
 
 
 def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
-           program) -> tuple[Any, Metrics]:
+           program, prior: Verdict | None) -> tuple[Any, Metrics]:
     """The metrics' sums all-reduced, ``(clip factor, ok)`` worked out from them on the
     device, and ``program``'s update applied where ``ok`` holds: no host read (but the
     unreached-leaf rule's, on a rank that reached some leaf no rank may have)."""
@@ -236,7 +296,8 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
                 grads[i] = None
         check_trained(params, grads)
     clip = optimizer.traced.clip
-    factor, dev = _on_device(params, vec, out.count is not None, clip)
+    factor, dev = _on_device(params, vec, out.count is not None, clip,
+                             program.health(params.device))
     if factor is not None:  # fs.Mean: the gradient of the mean over every item
         kept = [g for g in grads if g is not None]
         for dt in {g.dtype for g in kept}:
@@ -247,8 +308,8 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
         host["count"] = None
     if any(a is not None for a in out.aux):
         host["aux"] = out.aux[0] if policy.accumulate == 1 else out.aux
-    verdict = Verdict(_reader(params, out, present, host, state.step, empty_batch(batch)),
-                      vec)
+    verdict = Verdict(_reader(params, out.order, out.count is not None, present, host,
+                              state.step, empty_batch(batch)), vec, prior)
     new_params, opt_state = program(optimizer, pytree.unflatten(params.spec, grads),
                                     state.opt_state, state.params,
                                     step=state.step - state.skipped, norm=None,

@@ -77,6 +77,15 @@ class UpdateProgram:
     def __init__(self, options: dict):
         self.options = options
         self.fns: dict[tuple, list] = {}  # key -> [compiled fn, ran once]
+        self._health: torch.Tensor | None = None
+
+    def health(self, device: torch.device | None) -> torch.Tensor:
+        """A bool on ``device``: false from a step refused on the device until the host
+        reads its refusal ([Note: a step that reads nothing] in
+        :mod:`funshard.step.deferred`)."""
+        if self._health is None or (device is not None and self._health.device != device):
+            self._health = torch.ones((), dtype=torch.bool, device=device)
+        return self._health
 
     @staticmethod
     def covers(optimizer) -> bool:
