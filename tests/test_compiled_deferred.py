@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 import torch.distributed as dist
 
 import funshard as fs
@@ -116,3 +117,56 @@ def test_a_refusal_read_late_trains_on_as_the_eager_step(pools, spec, read):
         assert ec == cc == (5, 0), (ec, cc)
         assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
         assert all(math.isfinite(v.abs().max().item()) for v in cp.values())
+
+
+def through_refusals(spec, compile, steps, bads, reads):
+    """Train on ``steps`` batches, NaN at ``bads``, reading the metrics after the steps in
+    ``reads``; at each refusal go on from the state passed into the refused step, with the
+    batch after it. Per refusal (the batch whose step raised it, the refused batch); the
+    counts; the final parameters."""
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
+                         policy=fs.Policy(clip_norm=1.0), compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    scales = [torch.tensor(math.nan if i in bads else 1.0) for i in range(steps)]
+    data = list(zip(_batches(steps, world), scales))
+    refusals, left, inputs, i = [], sorted(bads), {}, 0
+    while True:
+        try:
+            if i == steps:  # the last steps' checks: read at the caller's save
+                fs.state_dict(state, "sharded")
+                break
+            (x, y), s = data[i]
+            inputs[i] = state
+            new, metrics = step(state, _local(x, y, s, rank))
+            if i in reads:
+                float(metrics["grad_norm"])
+        except FloatingPointError:
+            b = left.pop(0)  # the first bad batch not yet refused
+            refusals.append((i, b))
+            state, i = inputs[b], b + 1
+            continue
+        state, i = new, i + 1
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return refusals, (state.step, state.skipped), full
+
+
+@settings(max_examples=6, deadline=None)
+@given(bads=st.sets(st.integers(1, 5), max_size=2), reads=st.sets(st.integers(0, 5)))
+def test_refusals_read_late_train_as_the_eager_step(pools, bads, reads):
+    """A law over where the NaN batches fall and which steps' metrics the caller reads:
+    every refusal names the eager step's refused batch, at that step's read or at most two
+    steps later (at the caller's next read or the start of the step after next), and going
+    on from the state passed into it trains as the eager step does."""
+    steps = 6
+    for (er, ec, ep), (cr, cc, cp) in zip(
+            pools.run(2, through_refusals, False, steps, bads, reads, timeout=600),
+            pools.run(2, through_refusals, AOT, steps, bads, reads, timeout=600)):
+        assert er == [(b, b) for b in sorted(bads)], er
+        assert [b for _, b in cr] == sorted(bads), (cr, bads, reads)
+        for i, b in cr:
+            assert i == b if b in reads else b < i <= b + 2, (cr, bads, reads)
+        assert ec == cc == (steps - len(bads), 0), (ec, cc)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
