@@ -159,6 +159,18 @@ class Metrics(dict):
         self._read()
         return dict.values(self)
 
+    def pop(self, key, *default):
+        self._read()
+        return dict.pop(self, key, *default)
+
+    def popitem(self):
+        self._read()
+        return dict.popitem(self)
+
+    def setdefault(self, key, default=None):
+        self._read()
+        return dict.setdefault(self, key, default)
+
     def copy(self) -> dict:
         self._read()
         return dict(dict.items(self))
