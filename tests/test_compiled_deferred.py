@@ -173,3 +173,46 @@ def test_refusals_read_late_train_as_the_eager_step(pools, bads, reads):
             assert i == b if b in reads else b < i <= b + 2, (cr, bads, reads)
         assert ec == cc == (steps - len(bads), 0), (ec, cc)
         assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
+
+
+def batchnorm_refused(spec, compile, steps=4, bad=1):
+    """BatchNorm's statistics as state.buffers, SGD with momentum (Adam would turn the
+    rounding noise of the bias before the norm, whose gradient is zero, into steps of lr);
+    the ``bad``-th batch NaN, refused (read at once), then on from the state passed in.
+    Whether the refused step's input held its buffers; the final parameters and buffers."""
+    from test_buffers import B, _batch, _model
+    from test_buffers import _loss as bn_loss
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    step = fs.train_step(bn_loss(model), fs.optim.sgd(0.1, momentum=0.9), compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)), fs.buffers(model))
+    held = None
+    for i in range(steps):
+        x, y = _batch(i, world)
+        x = x * math.nan if i == bad else x
+        before = {k: v.to_local().clone() for k, v in state.buffers.items()}
+        try:
+            new, metrics = step(state, (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]))
+            float(metrics["loss"])
+        except FloatingPointError:
+            held = all(torch.equal(before[k], v.to_local()) for k, v in state.buffers.items())
+            continue
+        state = new
+    return held, ({k: v.detach().clone() for k, v in fs.unshard(state.params).items()},
+                  {k: v.to_local().clone() for k, v in state.buffers.items()})
+
+
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_a_refused_step_keeps_the_buffers_as_the_eager_step(pools, spec):
+    """Compiled, the buffers are written back on the device where the step updates: a
+    refused step leaves the state passed in with its buffers, and training on matches the
+    eager step (which reads the metrics before it writes them back)."""
+    for (e_held, (ep, eb)), (c_held, (cp, cb)) in zip(
+            pools.run(spec, batchnorm_refused, False, timeout=600),
+            pools.run(spec, batchnorm_refused, AOT, timeout=600)):
+        assert e_held and c_held, (e_held, c_held)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
+        assert all(torch.allclose(cb[k].double(), eb[k].double(), atol=1e-5) for k in eb)
+        assert int(cb["1.num_batches_tracked"]) == 3, cb["1.num_batches_tracked"]

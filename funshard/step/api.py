@@ -228,7 +228,10 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
                                            None if compiled is None else compiled.updates)
     if bufs is not None:
-        if not metrics["skipped"]:  # a skipped step keeps the buffers too
+        if no_read:  # where the device's verdict says so (a refused step keeps them)
+            buffers_.sync(policy.buffers, work, params.mesh)
+            buffers_.write_back(bleaves, work, metrics.ok)
+        elif not metrics["skipped"]:  # a skipped step keeps the buffers too
             buffers_.sync(policy.buffers, work, params.mesh)
             buffers_.write_back(bleaves, work)
         new_state = new_state._replace(buffers=state.buffers)

@@ -112,7 +112,16 @@ def sync(rule: str, work: list[torch.Tensor], mesh: DeviceMesh) -> None:
                 t.copy_(c.view(t.shape))
 
 
-def write_back(leaves: list[DTensor], work: list[torch.Tensor]) -> None:
-    """The step succeeded: the state's buffers take the working copies (in place: donated)."""
-    if leaves:
+def write_back(leaves: list[DTensor], work: list[torch.Tensor],
+               keep: torch.Tensor | None = None) -> None:
+    """The step succeeded: the state's buffers take the working copies (in place: donated).
+    ``keep``: a bool on the device, whether it succeeded (the compiled step that reads
+    nothing: [Note: a step that reads nothing] in :mod:`funshard.step.deferred`); where
+    false, each buffer keeps its value."""
+    if not leaves:
+        return
+    if keep is None:
         torch._foreach_copy_([d._local_tensor for d in leaves], work)
+        return
+    for d, w in zip(leaves, work):
+        d._local_tensor.copy_(torch.where(keep, w, d._local_tensor))

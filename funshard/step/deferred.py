@@ -6,7 +6,7 @@ update (the loss and the global norm: the non-finite rule, the clip factor, the 
 the ranks agree); on a GPU the host then waits for backward to finish, and the device idles
 while the update is issued. Here, for the compiled step with an update the compiler holds
 (:mod:`funshard.step.update_program`), the Policy's default rule (a non-finite step is
-refused), no loss scale and no buffers, the same all-reduce carries the same sums, and the
+refused) and no loss scale, the same all-reduce carries the same sums, and the
 device works out what the host did: ``ok`` (the loss and norm finite, the ranks' gather
 orders and kinds of loss alike, and no earlier step refused and unread) and the clip
 factor. The update program applies the update where ``ok`` holds and keeps every tensor
@@ -19,8 +19,10 @@ step gives, on every rank at the same step; the state passed into the refused st
 usable again (its tensors kept their values on the device, the steps issued since skipped
 their updates too) and the states returned since refuse to be read. A rank whose loss
 reached some trainable leaf on no rank of its own reads the per-leaf flags at once (which
-leaves no rank reached), as the eager step does; a float16 loss scale, ``skip_nonfinite``
-and buffers (their write-back depends on the verdict) keep the eager step's read.
+leaves no rank reached), as the eager step does. The buffers (``state.buffers``) take the
+step's working copies where ``ok`` holds, on the device too. A float16 loss scale and
+``skip_nonfinite`` keep the eager step's read: which steps the optimizer counts (its bias
+corrections, on the host) would depend on the verdict.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ _HEAD = 8  # loss, sq, count, means, rows, rows^2, order h, h^2; then per leaf: 
 def usable(compiled, optimizer, policy, state) -> bool:
     """Whether this step goes without the host read: the same on every rank."""
     return (compiled is not None and compiled.updates.covers(optimizer)
-            and not policy.skip_nonfinite and state.loss_scale is None
-            and state.buffers is None)
+            and not policy.skip_nonfinite and state.loss_scale is None)
 
 
 class Verdict:
@@ -130,9 +131,9 @@ class Metrics(dict):
     """A step's metrics, as a dict, whose device values are read (and whose checks are
     acted on) at the first access to any of them."""
 
-    def __init__(self, host: dict, verdict: Verdict):
+    def __init__(self, host: dict, verdict: Verdict, ok: torch.Tensor):
         super().__init__(host)
-        self.verdict = verdict
+        self.verdict, self.ok = verdict, ok  # ok: the device's bool, whether to update
 
     def _read(self) -> None:
         if self.verdict is not None:
@@ -327,4 +328,4 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
                                     step=state.step - state.skipped, norm=None,
                                     device=params.device, dev=dev)
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
-                          buffers=None), Metrics(host, verdict)
+                          buffers=None), Metrics(host, verdict, dev[1] > 0)
