@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import funshard as fs
 from funshard.testing import mesh
-from test_compiled_rules import AOT, _scaled_loss, _scales
+from test_compiled_rules import AOT, _scaled_loss, _scales, scaled_step
 from test_compiled_step import LR, _batches, _gpt
 
 
@@ -66,12 +66,8 @@ def refused_unread(spec, compile, steps=6, bad=2, read=False):
     the refusal, go on from the state passed into the refused step, with the batch after
     it. What was raised at which batch, what the states returned since raised when saved
     and stepped, the counts and the final parameters."""
-    torch._dynamo.reset()
+    step, state = scaled_step(spec, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _gpt()
-    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
-                         policy=fs.Policy(clip_norm=1.0), compile=compile)
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
     data = list(zip(_batches(steps, world), _scales(steps, bad)))
     raised, inputs, returned, new, i = [], {}, [], None, 0
     while i < steps:
@@ -127,12 +123,8 @@ def through_refusals(spec, compile, steps, bads, reads):
     ``reads``; at each refusal go on from the state passed into the refused step, with the
     batch after it. Per refusal (the batch whose step raised it, the refused batch); the
     counts; the final parameters."""
-    torch._dynamo.reset()
+    step, state = scaled_step(spec, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _gpt()
-    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
-                         policy=fs.Policy(clip_norm=1.0), compile=compile)
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
     scales = [torch.tensor(math.nan if i in bads else 1.0) for i in range(steps)]
     data = list(zip(_batches(steps, world), scales))
     refusals, left, inputs, i = [], sorted(bads), {}, 0

@@ -33,6 +33,16 @@ def _scales(steps: int, bad: int) -> list:
     return [torch.tensor(math.nan if i == bad else 1.0) for i in range(steps)]
 
 
+def scaled_step(spec, compile, skip=False):
+    """A fresh dynamo; the GPT's scaled loss under AdamW (weight decay 0.1) and the Policy's
+    clip at 1.0 (``skip``: skip_nonfinite): the step and its state on ``mesh(spec)``."""
+    torch._dynamo.reset()
+    model = _gpt()
+    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
+                         policy=fs.Policy(skip_nonfinite=skip, clip_norm=1.0), compile=compile)
+    return step, step.init(fs.shard(fs.params(model), mesh(spec)))
+
+
 def _opt_locals(state) -> list:
     return [t.to_local().clone() if hasattr(t, "to_local") else t
             for t in fs.pytree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
@@ -44,13 +54,9 @@ def nonfinite(spec, compile, skip, steps=4, bad=2):
     the full parameters at the end (at the refusal, under the default rule)."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    step, state = scaled_step(spec, compile, skip)
     counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _gpt()
-    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
-                         policy=fs.Policy(skip_nonfinite=skip, clip_norm=1.0), compile=compile)
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
     seen, per = [], 2
     for (x, y), s in zip(_batches(steps, world, per), _scales(steps, bad)):
         rows = slice(rank * per, (rank + 1) * per)
@@ -400,12 +406,8 @@ def cycles_left(spec, compile, windows=3):
     as the steps free tensors, was made before: not the step's.)"""
     import gc
 
-    torch._dynamo.reset()
+    step, state = scaled_step(spec, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _gpt()
-    step = fs.train_step(_scaled_loss(model), fs.optim.adamw(LR, weight_decay=0.1),
-                         policy=fs.Policy(clip_norm=1.0), compile=compile)
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
     batches = _batches(2 + 2 * windows, world, 2)
     rows = slice(rank * 2, (rank + 1) * 2)
     for x, y in batches[:2]:
