@@ -49,6 +49,9 @@ POLICIES = {
     "compiled_step": {"_program": True},
     # and with CUDA graphs: recorded at its third step, replayed from the fourth
     "compiled_step_cudagraphs": {"_program": "reduce-overhead"},
+    # a replay per micro-batch: the first's outputs are summed after the second's
+    "compiled_step_cudagraphs_accumulate": {"_program": "reduce-overhead", "accumulate": 2,
+                                            "clip_norm": 0.5},
 }
 COMPILE_BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 
@@ -93,7 +96,7 @@ def step_equals_one_process(spec, policy, force=True):
     with forced(world, force):
         model = _gpt(dev)
         ref = copy.deepcopy(model)
-        loss_fn = gpt_loss(model)
+        loss_fn = _with_aux(gpt_loss(model))
         if compiled:
             torch._dynamo.reset()
             loss_fn = torch.compile(loss_fn, backend=COMPILE_BACKEND)
@@ -109,6 +112,7 @@ def step_equals_one_process(spec, policy, force=True):
         g = torch.Generator().manual_seed(1)
         errors = _Errors()  # what torch logs as an error while it compiles the program
         logging.getLogger("torch._dynamo").addHandler(errors)
+        first = None
         for _ in range(5 if mode else 2):
             b = _batch(g, world, dev)
             # a dispatch mode (the counter) would make dynamo run loss_fn eagerly
@@ -116,6 +120,8 @@ def step_equals_one_process(spec, policy, force=True):
             with contextlib.nullcontext(None) if quiet else CountCollectives() as cc:
                 state, metrics = step(state, _local(b, rank))
             loss = F.cross_entropy(ref(b[0]).flatten(0, 1), b[1].flatten())
+            # read after the last step
+            first = first or (metrics, loss.item(), _local(b, rank)[0].double().sum().item())
             opt.zero_grad()
             loss.backward()
             if "clip_norm" in policy:
@@ -129,11 +135,24 @@ def step_equals_one_process(spec, policy, force=True):
         if compiled or program:  # dynamo captured graphs: the compute ran compiled
             from torch._dynamo.utils import counters
             assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
-        return err, abs(metrics["loss"] - loss.item()), cc and dict(cc.counts), where
+        # the first step's metrics read last: its loss, and its aux as loss_fn returned it
+        aux = first[0]["aux"]  # a list of the micro-batches' under accumulate
+        tokens = sum(float(a["tokens"]) for a in (aux if isinstance(aux, list) else [aux]))
+        late = abs(first[0]["loss"] - first[1]) + abs(tokens - first[2])
+        return err, max(abs(metrics["loss"] - loss.item()), late), cc and dict(cc.counts), where
+
+
+def _with_aux(loss_fn):
+    """``loss_fn`` that also returns an aux tensor (the sum of this rank's token ids)."""
+
+    def fn(params, batch):
+        return loss_fn(params, batch), {"tokens": batch[0].double().sum()}
+
+    return fn
 
 
 def _cuda_graphs_on_a_gpu(policy):
-    if policy == "compiled_step_cudagraphs" and DEVICE != "cuda":
+    if policy.startswith("compiled_step_cudagraphs") and DEVICE != "cuda":
         pytest.skip("CUDA graphs are a GPU's; tests/test_compiled_rules.py runs the mode on "
                     "the CPU")
 

@@ -174,6 +174,7 @@ class Compiled:
         options = options_of(compile)
         self.fallback = options.pop("fallback", None) == "eager"
         self.options = options
+        self.graphs = _cuda_graphs(options)
         self.entries: dict[tuple, _Entry] = {}
         # the update, the step's second program (for the optimizers it covers), from the
         # first step on: every step of a run takes the same update, whichever computed its
@@ -203,11 +204,12 @@ class Compiled:
             return eager()
         total = count = summed = None
         auxes: list = []
+        graphs = self.graphs and params.device.type == "cuda"
         for j, (key, mb) in enumerate(zip(keys, parts)):
             out = self._traced(key, leaves, bufs, ([mb], factor), first_part=j == 0)
             if out is _EAGER:
                 return eager()
-            value, c, aux, reduced = out
+            value, c, aux, reduced = _owned(out, len(parts) > 1) if graphs else out
             total = value if total is None else total + value
             count = c if count is None or c is None else count + c
             summed = reduced if summed is None else [
@@ -336,9 +338,29 @@ def _random_kept(device: torch.device):
     return torch.random.fork_rng(devices=on, device_type=device.type if on else "cuda")
 
 
+def _cuda_graphs(options: dict) -> bool:
+    """Whether inductor records the gradients' program as a CUDA graph (on a GPU), whose
+    outputs are its own memory, written again at its next replay."""
+    if options.get("backend", "inductor") != "inductor":
+        return False
+    flag = (options.get("options") or {}).get("triton.cudagraphs")
+    return bool(flag) if flag is not None else (
+        options.get("mode") in ("reduce-overhead", "max-autotune"))
+
+
+def _owned(out: tuple, every: bool) -> tuple:
+    """A CUDA graph's outputs that outlive its next replay, copied: the aux (in the metrics
+    until read) and, with a replay per micro-batch (``every``), the loss, count, gradients."""
+    value, c, aux, reduced = out
+    aux = pytree.plain_map(_copy, aux)
+    if every:
+        value, c, reduced = _copy(value), _copy(c), [_copy(g) for g in reduced]
+    return value, c, aux, reduced
+
+
 def _copy(x: Any) -> Any:
-    """A buffer's copy for the first step's trial run (the step's own copies keep what the
-    eager run wrote)."""
+    """A tensor's copy (a buffer's for the first step's trial run: the step's own copies
+    keep what the eager run wrote; an output a CUDA graph writes again)."""
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
