@@ -34,13 +34,10 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, pytree
-from . import agree, batches
-from . import loss as loss_
+from . import batches
 from .params import ParamGroups
-from .update import (Grads, check_trained, count_error, empty_batch, loss_error,
-                     nonfinite_error)
-
-_HEAD = 8  # loss, sq, count, means, rows, rows^2, order h, h^2; then per leaf: sq, reached
+from .update import (HEAD, Grads, check_trained, count_error, empty_batch, loss_error,
+                     nonfinite_error, norm_of, read_head, sums_head)
 
 
 def usable(compiled, optimizer, policy, state) -> bool:
@@ -210,27 +207,14 @@ def attach(metrics: dict, old, new, donations, leaves: list, program) -> None:
 def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> torch.Tensor:
     """This rank's part of the step's sums: what the eager step's metrics all-reduce
     carries, and per leaf its weighted squared norm and whether this rank reached it."""
-    dev = params.device
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
     grads = [out.grads[i] for i in present]
     norms = torch._foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
     per = torch.stack(norms).double() ** 2 * weights
-    order = params.on_device(("order", out.order), torch.float64,
-                             lambda: agree.order_sums(out.order))
     reached = params.on_device(("reached", tuple(i in out.used for i in present)),
                                torch.float64, lambda: [float(i in out.used) for i in present])
-    if out.count is not None:  # fs.Mean: its count and kind
-        kind = torch.stack([out.count.double(), torch.ones((), dtype=torch.float64,
-                                                            device=dev)])
-        loss = out.loss_sum.double()
-        kind = torch.cat([kind, torch.zeros(2, dtype=torch.float64, device=dev)])
-    else:
-        at_rows, at_sq = params.on_device("rows", torch.float64,
-                                          lambda: [[0, 0, 1, 0], [0, 0, 0, 1]])
-        kind = at_rows * float(rows) + at_sq * float(rows * rows)
-        loss = (out.loss_sum / k).double()
-    return torch.cat([torch.stack([loss, per.sum()]), kind, order, per, reached])
+    return torch.cat([sums_head(params, out, k, rows, per.sum()), per, reached])
 
 
 def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip,
@@ -260,21 +244,11 @@ def _reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: 
             step: int, note: str) -> Callable[[list], dict]:
     """How the host reads the sums: the eager step's checks, then the metrics. (It holds
     no tensor of the step: the gradients are freed as the eager step frees them.)"""
-    world = params.world
 
     def read(vals: list) -> dict:
-        loss, sq, count, means, n, n2, h, h2 = vals[:_HEAD]
-        per = vals[_HEAD:_HEAD + len(present)]
-        agree.check_order([h, h2], params, order)
-        factor = loss_.check_kind(means, count, world) if means else None
-        if not means:
-            loss_.check_rows(n, n2, world)
-        if factor is None:
-            loss /= world
-        else:
-            loss = loss / count if count > 0 else math.nan
-            sq *= factor * factor
-        norm = math.sqrt(sq) if sq > 0 else 0.0 if sq <= 0 else math.nan
+        loss, sq, count, _ = read_head(params, order, vals)
+        per = vals[HEAD:HEAD + len(present)]
+        norm = norm_of(sq)
         metrics = {**host, "loss": loss, "grad_norm": norm}
         if mean:
             metrics["count"] = count
@@ -303,7 +277,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
             dist.all_reduce(vec)
     grads = list(out.grads)
     if any(i not in out.used for i in present):  # did any rank reach it? (a read)
-        flags = vec[_HEAD + len(present):].tolist()
+        flags = vec[HEAD + len(present):].tolist()
         for i, f in zip(present, flags):
             if not f:
                 grads[i] = None

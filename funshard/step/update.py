@@ -59,50 +59,74 @@ def empty_batch(batch: Any) -> str:
     return ""
 
 
-def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[dict, list]:
-    """Loss (mean over ranks) and global gradient norm: one all-reduce for both, one read on
-    the host. The step's constant tensors (norm weights, the order's sums) are made once.
-    An ``fs.Mean``'s total and count ride along: the loss is then their quotient, and the
-    norm that of the gradients :func:`~funshard.step.loss.normalize` makes; a plain loss's
-    local batch ``rows``, to see that every rank averaged over as many
-    (:func:`~funshard.step.loss.check_rows`)."""
-    present = [i for i, g in enumerate(out.grads) if g is not None]
-    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
-                               lambda: [params.norm_weight[i] for i in present])
-    sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
+HEAD = 8  # the sums every step all-reduces: loss, squared norm, count, means, rows, rows^2,
+# the gather order's two sums (then the eager step's idle leaves, the compiled step's per leaf)
+
+
+def sums_head(params: ParamGroups, out: Grads, k: int, rows: int,
+              sq: torch.Tensor) -> torch.Tensor:
+    """This rank's first :data:`HEAD` sums, float64: the loss (an ``fs.Mean``'s total, else
+    the mean over the ``k`` micro-batches), ``sq`` (the gradients' weighted squared norm),
+    ``fs.Mean``'s count and kind or a plain loss's local batch ``rows`` (to see that every
+    rank averaged over as many: :func:`~funshard.step.loss.check_rows`), and the gather
+    order's sums. The step's constant tensors (the order's sums) are made once."""
     order = params.on_device(("order", out.order), torch.float64,
                              lambda: agree.order_sums(out.order))
-    mean = out.count is not None  # fs.Mean: its count, 1 (each rank says its kind); else rows
-    if mean:
-        zero = torch.zeros_like(out.count)
-        kind = torch.stack([out.count, torch.ones_like(out.count), zero, zero])
+    if out.count is not None:  # fs.Mean: its count, 1 (each rank says its kind)
+        c = out.count.double()
+        zero = torch.zeros_like(c)
+        kind, loss = torch.stack([c, torch.ones_like(c), zero, zero]), out.loss_sum.double()
     else:  # no copy from the host per step (rows may change from step to step)
         at_rows, at_sq = params.on_device("rows", torch.float64,
                                           lambda: [[0, 0, 1, 0], [0, 0, 0, 1]])
         kind = at_rows * float(rows) + at_sq * float(rows * rows)
-    # the leaves this rank gave no gradient, counted (a scalar multiply: no host copy)
-    idle = params.on_device("unit", torch.float64, lambda: [1.0]) * float(
-        sum(i not in out.used for i in present))
-    both = torch.cat([torch.stack([out.loss_sum if mean else out.loss_sum / k, sq]), kind,
-                      idle, order])
-    if not collectives.skips(params.world):
-        with collectives.watch("all-reduce of the step's metrics", params.mesh):
-            dist.all_reduce(both)
-    loss, sq_norm, count, means, n, n2, idle_sum, *sums = both.tolist()  # the one device wait
-    agree.check_order(sums, params, out.order)
-    if idle_sum:
-        present = _drop_unreached(params, out.grads, present, out.used)
+        loss = (out.loss_sum / k).double()
+    return torch.cat([torch.stack([loss, sq.double()]), kind, order])
+
+
+def read_head(params: ParamGroups, order: tuple, vals: list) -> tuple:
+    """The host's reading of :func:`sums_head` summed over ranks: the ranks' gather orders,
+    kinds of loss and rows checked, then (loss, squared norm, count, fs.Mean's gradient
+    factor or None) as the metrics report them (the mean over ranks of their means, or
+    fs.Mean's total over its count)."""
+    loss, sq, count, means, n, n2, h, h2 = vals[:HEAD]
+    agree.check_order([h, h2], params, order)
     factor = loss_.check_kind(means, count, params.world) if means else None
     if not means:
         loss_.check_rows(n, n2, params.world)
-    if factor is None:  # the mean over ranks of their means
+    if factor is None:
         loss /= params.world
-    else:  # fs.Mean: total / count; the gradients are world / count times the reduced ones
+    else:  # the gradients are world / count times the reduced ones
         loss = loss / count if count > 0 else math.nan
-        sq_norm *= factor * factor
+        sq *= factor * factor
+    return loss, sq, count, factor
+
+
+def norm_of(sq: float) -> float:
+    return math.sqrt(sq) if sq > 0 else 0.0 if sq <= 0 else math.nan
+
+
+def metrics_of(params: ParamGroups, out: Grads, k: int, rows: int = 0) -> tuple[dict, list]:
+    """Loss and global gradient norm: one all-reduce of the step's sums
+    (:func:`sums_head`) and this rank's count of idle leaves, one read on the host."""
+    present = [i for i, g in enumerate(out.grads) if g is not None]
+    weights = params.on_device(("norm weights", tuple(present)), torch.float64,
+                               lambda: [params.norm_weight[i] for i in present])
+    sq = local_sq_norm([out.grads[i] for i in present], weights, params.device)
+    # the leaves this rank gave no gradient, counted (a scalar multiply: no host copy)
+    idle = params.on_device("unit", torch.float64, lambda: [1.0]) * float(
+        sum(i not in out.used for i in present))
+    both = torch.cat([sums_head(params, out, k, rows, sq), idle])
+    if not collectives.skips(params.world):
+        with collectives.watch("all-reduce of the step's metrics", params.mesh):
+            dist.all_reduce(both)
+    vals = both.tolist()  # the one device wait
+    loss, sq_norm, count, factor = read_head(params, out.order, vals)
+    if vals[HEAD]:
+        present = _drop_unreached(params, out.grads, present, out.used)
     metrics = {
         "loss": loss,
-        "grad_norm": math.sqrt(sq_norm) if sq_norm > 0 else 0.0 if sq_norm <= 0 else math.nan,
+        "grad_norm": norm_of(sq_norm),
         "unsharded_groups_peak": out.peaks[0],
         "unsharded_bytes_peak": out.peaks[1],
         "skipped": 0,
