@@ -27,6 +27,12 @@ The eager step needs none of this: importing funshard never fails for it.
   on to them after giving the model's own checkpoint regions a rule
   (:mod:`funshard.step.backend`).
 
+- ``torch._inductor.config``'s ``post_grad_custom_post_pass`` and
+  ``reorder_for_peak_memory``, and ``torch._inductor.custom_graph_pass.CustomGraphPass``:
+  the pass that orders the program's collectives to overlap its compute, run by inductor
+  over its post-grad graph, with inductor's own reordering for peak memory off
+  (:mod:`funshard.step.overlap`).
+
 Newer torch names the autograd all-gather ``all_gather_single_autograd``; older releases
 ``all_gather_tensor_autograd``: the first found is used.
 """
@@ -81,6 +87,12 @@ CHECKPOINT_OP = _find("torch._higher_order_ops.wrap", "tag_activation_checkpoint
 CHECKPOINT_CONTEXT = "_checkpoint_context_fn"  # what tag_activation_checkpoint reads
 INDUCTOR_BACKEND = _find("torch", "_TorchCompileInductorWrapper")
 OTHER_BACKEND = _find("torch", "_TorchCompileWrapper")
+_import("torch._inductor.custom_graph_pass")
+CustomGraphPass = _find("torch._inductor.custom_graph_pass", "CustomGraphPass")
+_inductor_config = _find("torch._inductor", "config")
+for _name in ("post_grad_custom_post_pass", "reorder_for_peak_memory"):
+    if _inductor_config is not None and not hasattr(_inductor_config, _name):
+        MISSING.append(f"torch._inductor.config.{_name}")
 _dynamo_config = _find("torch._dynamo", "config")
 if _dynamo_config is not None and not hasattr(_dynamo_config, "trace_autograd_ops"):
     MISSING.append("torch._dynamo.config.trace_autograd_ops")
@@ -167,3 +179,10 @@ def tracing_without_logs(methods: set):
             yield
         finally:
             quiet.disabled = before
+
+
+def inductor_patch(options: dict):
+    """A context in which inductor's config has ``options`` (what the compiled step's
+    backend puts under the caller's own: :mod:`funshard.step.overlap`); made at compile
+    time only."""
+    return _inductor_config.patch(options)

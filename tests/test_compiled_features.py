@@ -157,7 +157,8 @@ def world_of_one(spec, forced):
 def test_a_world_of_one_runs_no_collective_unless_forced(pools, forced):
     """Alone, the program gathers nothing (the shard is the whole); forced (one GPU
     standing in for many), every group's collectives are in it, as on two ranks."""
-    for counts, graphs, groups, programs in pools.run(1, world_of_one, forced, timeout=900):
+    for counts, graphs, groups, programs, _ in pools.run(1, world_of_one, forced,
+                                                         timeout=900):
         assert programs == 2 and graphs == [2, 2, 2, 2], (programs, graphs)
         if forced:
             assert counts.get("all_gather_into_tensor") == 1 + 2 * (groups - 1), counts

@@ -127,10 +127,32 @@ def test_compiled_step_in_bfloat16_matches_the_eager_step(pools):
 
 
 _COLL = re.compile(r"^\s*\w+ = torch\.ops\._c10d_functional\.(\w+)\.default\(", re.M)
+_ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
+_KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|\.run\(")  # (C++ and Triton kernels)
+
+
+def windows(code: str) -> list[tuple[str, int]]:
+    """Per collective of inductor's program, in issue order: its kind and how many compute
+    kernels run between its issue and its wait (0: waited on at once)."""
+    pending, out = {}, []
+    for line in code[code.index("def call(self, args)"):].splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        issue, wait = _ISSUE.match(line), _WAIT.search(line)
+        if issue:
+            pending[issue[1]] = [issue[2], 0]
+        elif wait and wait[1] in pending:
+            out.append(tuple(pending.pop(wait[1])))
+        elif _KERNEL.search(line):
+            for v in pending.values():
+                v[1] += 1
+    return out
 
 
 def compiled_collectives(spec, raf, steps=4):
-    """Inductor's program for the GPT: its collectives, graphs and recompiles."""
+    """Inductor's program for the GPT: its collectives, graphs and recompiles, and per
+    collective the kernels between its issue and its wait."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
@@ -155,18 +177,25 @@ def compiled_collectives(spec, raf, steps=4):
     groups = len(fs.list_groups(fs.params(model)))
     torch._dynamo.reset()
     gc.collect()
-    return {k: kinds.count(k) for k in set(kinds)}, graphs, groups, len(codes)
+    return ({k: kinds.count(k) for k in set(kinds)}, graphs, groups, len(codes),
+            windows(codes[0]) if codes else [])
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_each_group_is_one_gather_and_one_reduce_scatter_in_inductors_program(pools, raf):
-    for counts, graphs, groups, programs in pools.run(2, compiled_collectives, raf,
-                                                      timeout=900):
+    """Counted in inductor's program, and overlapped with compute: in forward each block's
+    gather is issued while the block before it computes, in backward each reduce-scatter
+    is waited on after the next group's backward computes."""
+    for counts, graphs, groups, programs, runs in pools.run(2, compiled_collectives, raf,
+                                                            timeout=900):
         blocks = groups - 1  # the rest (embeddings, final norm, tied head): kept gathered
         assert programs == 2 and graphs == [2, 2, 2, 2], (programs, graphs)
         gathers = 1 + (2 * blocks if raf else blocks)  # recomputed in backward: FULL_SHARD
         assert counts.get("all_gather_into_tensor") == gathers, counts
         assert counts.get("reduce_scatter_tensor") == groups, counts
+        ahead = sum(n > 0 for k, n in runs if k == "all_gather_into_tensor")
+        assert ahead >= blocks - 1, runs
+        assert sum(n > 0 for k, n in runs if k == "reduce_scatter_tensor") >= groups - 2, runs
 
 
 def _llama():

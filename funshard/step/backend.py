@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .. import _compat
+from . import overlap
 
 
 def _keep_random(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -58,10 +59,15 @@ class Backend:
         self.inner = (_compat.INDUCTOR_BACKEND(mode, options, dynamic)
                       if backend == "inductor" else
                       _compat.OTHER_BACKEND(backend, mode, options, dynamic))
+        self.inductor = backend == "inductor"
         self.compiler_name = getattr(self.inner, "compiler_name", "funshard")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
-        return self.inner(keep_random_draws(gm), example_inputs, **kwargs)
+        gm = keep_random_draws(gm)
+        if not self.inductor:
+            return self.inner(gm, example_inputs, **kwargs)
+        with _compat.inductor_patch(overlap.OPTIONS):  # (the caller's own options: inside)
+            return self.inner(gm, example_inputs, **kwargs)
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)

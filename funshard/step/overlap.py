@@ -1,0 +1,171 @@
+"""The compiled step's collectives overlapped with its compute: a pass over inductor's
+post-grad graph that issues each forward all-gather a group earlier and waits on each
+reduction a group later.
+
+[Note: overlap by program order] Traced, the step's program issues each group's all-gather
+where the group's module begins and waits on it at once (its first use follows), and waits
+on each group's reduce-scatter as soon as it is issued: no collective runs while compute
+does. This pass, over the graph inductor lowers (``post_grad_custom_post_pass``), moves:
+
+- **each all-gather of forward** (with what packs its input from the shards) to just after
+  the previous all-gather's wait: it runs while the previous group computes, and its own
+  wait stays where its group first uses it, so at most two groups are gathered at a time,
+  as the eager step and FSDP2 prefetch one group ahead.
+- **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result, to
+  just before the next gradient buffer is laid out (:func:`funshard.step.packing.lay`) or
+  its first use, whichever comes first: the reduction runs while the next group's backward
+  computes, and at most one is in flight.
+
+The gathers of backward (a group gathered again under FULL_SHARD) stay where they are.
+Moved too, they were measured to cost one group's buffer more at backward's peak (shape B:
+415 MiB in the step against 384; A: +25 MiB): the next group's gather then lives beside the
+reduction in flight and the group computing. Inductor chains the collectives in the order
+of this graph (each issued after the waits before it), so the order set here is the order
+every rank issues them in. Its scheduler's reordering for peak memory
+(``reorder_for_peak_memory``) would move each gather back next to its use and each
+reduction's wait next to its issue, so the program is compiled with it off (beneath the
+caller's options: ``compile={"options": {"reorder_for_peak_memory": True}}`` gives back
+inductor's memory-first order).
+
+Measured on the CPU (2 gloo ranks, shapes A, B, C of ``benchmarks.compiled_step``,
+``benchmarks/results/2026-11-27-cpu-overlap.md``): step times within this machine's noise
+(two ranks share two cores, so a collective in flight competes with the compute it would
+overlap). Inductor's own passes that move collectives (``reorder_for_compute_comm_overlap``)
+were measured before (``2026-11-26-cpu-compiled-step.md``): they issued every forward
+gather at the program's start and hoisted recomputed gathers into forward, undoing the
+memory bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from . import packing
+
+_c10d = torch.ops._c10d_functional
+GATHER = _c10d.all_gather_into_tensor.default
+REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
+WAIT = _c10d.wait_tensor.default
+LAY = torch.ops.funshard.lay.default
+COLLECTIVES = (GATHER, WAIT, *REDUCTIONS)
+
+
+def _wait_of(node: fx.Node) -> fx.Node | None:
+    """The wait on the collective ``node``."""
+    return next((u for u in node.users if u.target is WAIT), None)
+
+
+def _ancestors(node: fx.Node, after: set) -> set:
+    """``node``'s inputs, transitively, among ``after``."""
+    out, todo = set(), [node]
+    while todo:
+        for x in todo.pop().all_input_nodes:
+            if x in after and x not in out:
+                out.add(x)
+                todo.append(x)
+    return out
+
+
+def _shards(node: fx.Node) -> frozenset:
+    """The graph inputs a gather reads through what packs them (its group's shards)."""
+    out, todo, seen = set(), [node], {node}
+    while todo:
+        for x in todo.pop().all_input_nodes:
+            if x not in seen:
+                seen.add(x)
+                (out.add(x) if x.op == "placeholder" else todo.append(x))
+    return frozenset(out)
+
+
+def raise_gathers(items: list) -> int:
+    """Each all-gather of forward (with what packs its input) moved to just after the
+    previous one's wait, until the first of a group gathered again; returns how many."""
+    moved, gathered, prev = 0, set(), None
+    for ag in [x for x in items if x.target is GATHER]:
+        key = _shards(ag)
+        if key in gathered:  # backward's first gather again: the rest stay too
+            break
+        gathered.add(key)
+        target, prev = prev, _wait_of(ag)
+        if target is None or prev is None:
+            continue
+        t, at = items.index(target), items.index(ag)
+        if t > at:
+            continue
+        lift = _ancestors(ag, set(items[t + 1:at]))
+        if any(x.target in COLLECTIVES for x in lift):
+            continue
+        lifted = [x for x in items[t + 1:at] if x in lift] + [ag]
+        rest = [x for x in items[t + 1:at] if x not in lift]
+        items[t + 1:at + 1] = lifted + rest
+        moved += 1
+    return moved
+
+
+def sink_waits(items: list) -> int:
+    """Each reduction's wait, with the views of its result, moved to just before the next
+    gradient buffer's layout or the first other node that reads its result, whichever
+    comes first (never past the output); returns how many moved."""
+    moved = 0
+    for red in [x for x in items if x.target in REDUCTIONS]:
+        wait = _wait_of(red)
+        if wait is not None:
+            moved += _sink(items, items.index(wait))
+    return moved
+
+
+def _sink(items: list, at: int) -> int:
+    wait = items[at]
+    reads, views, passed, stop = {wait}, [], [], len(items)
+    for j in range(at + 1, len(items)):
+        x = items[j]
+        inputs = x.all_input_nodes
+        if x.op != "output" and x.target is not LAY and not any(i in reads for i in inputs):
+            passed.append(x)
+        elif getattr(x.target, "is_view", False) and all(
+                i in reads or i not in passed for i in inputs) and x.op != "output":
+            views.append(x)
+            reads.add(x)
+        else:
+            stop = j
+            break
+    if not passed:
+        return 0
+    items[at:stop] = [*passed, wait, *views]
+    return 1
+
+
+def fx_pass(graph: fx.Graph) -> None:
+    """The pass over the post-grad graph: the order inductor lowers, and in which it
+    chains the collectives (each issued after the waits before it)."""
+    items = list(graph.nodes)
+    raise_gathers(items)
+    sink_waits(items)
+    at = None
+    for n in items:
+        if at is not None and n.prev is not at:
+            at.append(n)
+        at = n
+    graph.lint()
+
+
+class FxPass(_compat.CustomGraphPass or object):
+    """:func:`fx_pass` as inductor's custom post-grad pass (its cache key: this file)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        fx_pass(graph)
+
+    def uuid(self) -> str:
+        import hashlib
+        from pathlib import Path
+
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+# inductor's options the compiled step's programs are compiled under, beneath the caller's
+# own: the pass, and inductor's reordering for peak memory off (it would put each gather back
+# next to its use and each reduction's wait next to its issue)
+OPTIONS = {"post_grad_custom_post_pass": FxPass(), "reorder_for_peak_memory": False}
+assert packing.OPS  # the funshard ops above are registered by packing's import
