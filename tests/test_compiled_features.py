@@ -156,13 +156,17 @@ def world_of_one(spec, forced):
 @pytest.mark.parametrize("forced", [False, True], ids=["alone", "forced"])
 def test_a_world_of_one_runs_no_collective_unless_forced(pools, forced):
     """Alone, the program gathers nothing (the shard is the whole); forced (one GPU
-    standing in for many), every group's collectives are in it, as on two ranks."""
-    for counts, graphs, groups, programs, _ in pools.run(1, world_of_one, forced,
-                                                         timeout=900):
+    standing in for many), every group's collectives are in it, as on two ranks, ordered
+    to overlap the compute as there."""
+    for counts, graphs, groups, programs, runs in pools.run(1, world_of_one, forced,
+                                                            timeout=900):
         assert programs == 2 and graphs == [2, 2, 2, 2], (programs, graphs)
         if forced:
             assert counts.get("all_gather_into_tensor") == 1 + 2 * (groups - 1), counts
             assert counts.get("reduce_scatter_tensor") == groups, counts
+            ahead = [n > 0 for k, n in runs if k == "all_gather_into_tensor"]
+            later = [n > 0 for k, n in runs if k == "reduce_scatter_tensor"]
+            assert sum(ahead) >= groups - 2 and sum(later) >= groups - 2, runs
         else:
             assert counts == {}, counts
 

@@ -266,7 +266,7 @@ def llama_parity(spec, steps=3):
 def test_compiled_step_trains_a_hugging_face_llama_as_one_process(pools):
     pytest.importorskip("transformers")
     for rank, r in enumerate(pools.run(2, llama_parity, timeout=600)):
-        (el, ep), (cl, cp), (ol, op) = r["eager"], r["compiled"], r["one"]
+        (_, ep), (cl, cp), (ol, op) = r["eager"], r["compiled"], r["one"]
         assert r["breaks"] == 0 and r["graphs"] == 2, (rank, r["breaks"], r["graphs"])
         assert max(abs(a - b) for a, b in zip(cl, ol)) <= 1e-5, (rank, cl, ol)
         assert _max_diff(cp, ep) <= 1e-5 and _max_diff(cp, op) <= 1e-5, rank
