@@ -185,6 +185,39 @@ def test_one_device_as_a_user_runs_it(pools, policy):
     assert counts == {} or (counts is None and policy.startswith("compile")), counts
 
 
+def overlap_on_device(spec):
+    """The compiled step's program (inductor) on the lane's device, a world of one with
+    every collective forced: per collective, the compute kernels between its issue and its
+    wait; and the number of groups."""
+    from torch._inductor.utils import run_and_get_code
+
+    from test_compiled_step import windows
+
+    dev = device()
+    with forced(1):
+        torch._dynamo.reset()
+        model = _gpt(dev)
+        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2), compile=True)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        batch = _local(_batch(torch.Generator().manual_seed(1), 1, dev), 0)
+        (state, _), codes = run_and_get_code(step, state, batch)
+        torch._dynamo.reset()
+    return windows(codes[0]), len(fs.list_groups(fs.params(model)))
+
+
+def test_compiled_collectives_overlap_compute_on_device(pools):
+    """On the lane's device too (Triton kernels, NCCL), the program issues each forward
+    gather while the group before it computes and waits on each reduce-scatter after the
+    next group's backward."""
+    if DEVICE != "cuda":
+        pytest.skip("inductor's C++ kernels on the CPU: tests/test_compiled_features.py "
+                    "checks the same program there")
+    runs, groups = pools.run(1, overlap_on_device, timeout=900)[0]
+    ahead = [n > 0 for k, n in runs if k == "all_gather_into_tensor"]
+    later = [n > 0 for k, n in runs if k == "reduce_scatter_tensor"]
+    assert sum(ahead) >= groups - 2 and sum(later) >= groups - 2, runs
+
+
 def mixed_precision_vs_fsdp2(spec):
     """bf16 compute, fp32 reduce and masters: funshard against FSDP2 ``fully_shard`` with
     ``MixedPrecisionPolicy`` (per block and the root), the same batches: losses and params."""
