@@ -126,7 +126,6 @@ def test_compiled_step_in_bfloat16_matches_the_eager_step(pools):
         assert _max_diff(cp, ep) <= 2e-3, (rank, _max_diff(cp, ep))
 
 
-_COLL = re.compile(r"^\s*\w+ = torch\.ops\._c10d_functional\.(\w+)\.default\(", re.M)
 _ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
 _KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|\.run\(")  # (C++ and Triton kernels)
@@ -173,7 +172,7 @@ def compiled_collectives(spec, raf, steps=4):
     for b in mine[1:]:
         state, _ = step(state, b)
         graphs.append(counters["stats"]["unique_graphs"])
-    kinds = _COLL.findall(codes[0]) if codes else []
+    kinds = [m[2] for m in map(_ISSUE.match, codes[0].splitlines()) if m] if codes else []
     groups = len(fs.list_groups(fs.params(model)))
     torch._dynamo.reset()
     gc.collect()

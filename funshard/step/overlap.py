@@ -48,7 +48,7 @@ _c10d = torch.ops._c10d_functional
 GATHER = _c10d.all_gather_into_tensor.default
 REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 WAIT = _c10d.wait_tensor.default
-LAY = torch.ops.funshard.lay.default
+LAY = packing.LAY
 COLLECTIVES = (GATHER, WAIT, *REDUCTIONS)
 
 
@@ -121,11 +121,12 @@ def _sink(items: list, at: int) -> int:
     reads, views, passed, stop = {wait}, [], [], len(items)
     for j in range(at + 1, len(items)):
         x = items[j]
-        inputs = x.all_input_nodes
-        if x.op != "output" and x.target is not LAY and not any(i in reads for i in inputs):
+        if x.op == "output" or x.target is LAY:
+            stop = j
+            break
+        if not any(i in reads for i in x.all_input_nodes):
             passed.append(x)
-        elif getattr(x.target, "is_view", False) and all(
-                i in reads or i not in passed for i in inputs) and x.op != "output":
+        elif getattr(x.target, "is_view", False):  # (moved with it, after what it passes)
             views.append(x)
             reads.add(x)
         else:
@@ -168,4 +169,3 @@ class FxPass(_compat.CustomGraphPass or object):
 # own: the pass, and inductor's reordering for peak memory off (it would put each gather back
 # next to its use and each reduction's wait next to its issue)
 OPTIONS = {"post_grad_custom_post_pass": FxPass(), "reorder_for_peak_memory": False}
-assert packing.OPS  # the funshard ops above are registered by packing's import

@@ -139,3 +139,4 @@ unpack.register_autograd(_unpack_backward, setup_context=_unpack_context)
 
 # what a group region's selective-checkpoint policy recomputes in backward
 OPS = (torch.ops.funshard.pack.default, torch.ops.funshard.unpack.default)
+LAY = torch.ops.funshard.lay.default  # a gradient buffer laid out (funshard.step.overlap)
