@@ -31,7 +31,9 @@ The eager step needs none of this: importing funshard never fails for it.
   ``reorder_for_peak_memory``, and ``torch._inductor.custom_graph_pass.CustomGraphPass``:
   the pass that orders the program's collectives to overlap its compute, run by inductor
   over its post-grad graph, with inductor's own reordering for peak memory off
-  (:mod:`funshard.step.overlap`).
+  (:mod:`funshard.step.overlap`); ``torch.ops._c10d_functional.all_gather_into_tensor_out``
+  (optional: :data:`GATHER_OUT` is None without it), the all-gather into a given buffer the
+  pass turns each gather into, to gather in place.
 
 Newer torch names the autograd all-gather ``all_gather_single_autograd``; older releases
 ``all_gather_tensor_autograd``: the first found is used.
@@ -105,6 +107,9 @@ try:
 except (AttributeError, RuntimeError):
     GATHER_OPS = ()
     MISSING.append("torch.ops._c10d_functional.{all_gather_into_tensor,wait_tensor}")
+# an all-gather into a given buffer (inductor's own bucketing emits it): where torch lacks it,
+# the compiled step's gathers keep their separate input (funshard.step.overlap)
+GATHER_OUT = getattr(getattr(_ops, "all_gather_into_tensor_out", None), "default", None)
 
 
 # DTensor.redistribute(forward_dtype=, backward_dtype=) (public, newer torch): a gather in

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import funshard as fs
+from funshard import _compat
 from funshard.testing import mesh
 from funshard.testing.models import GPT
 
@@ -126,9 +127,19 @@ def test_compiled_step_in_bfloat16_matches_the_eager_step(pools):
         assert _max_diff(cp, ep) <= 2e-3, (rank, _max_diff(cp, ep))
 
 
+# a collective's issue: its result's name and its kind (an all-gather in place: into out=)
 _ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_ISSUE_OUT = re.compile(r"^\s*torch\.ops\._c10d_functional\.(\w+)_out\.default\(.*out=(\w+)\)")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
 _KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|\.run\(")  # (C++ and Triton kernels)
+
+
+def _issue(line: str) -> tuple[str, str] | None:
+    m = _ISSUE.match(line)
+    if m and m[2] != "wait_tensor":
+        return m[1], m[2]
+    m = _ISSUE_OUT.match(line)
+    return (m[2], m[1]) if m else None
 
 
 def windows(code: str) -> list[tuple[str, int]]:
@@ -138,9 +149,9 @@ def windows(code: str) -> list[tuple[str, int]]:
     for line in code[code.index("def call(self, args)"):].splitlines():
         if line.lstrip().startswith("#"):
             continue
-        issue, wait = _ISSUE.match(line), _WAIT.search(line)
+        issue, wait = _issue(line), _WAIT.search(line)
         if issue:
-            pending[issue[1]] = [issue[2], 0]
+            pending[issue[0]] = [issue[1], 0]
         elif wait and wait[1] in pending:
             out.append(tuple(pending.pop(wait[1])))
         elif _KERNEL.search(line):
@@ -149,17 +160,22 @@ def windows(code: str) -> list[tuple[str, int]]:
     return out
 
 
-def compiled_collectives(spec, raf, steps=4):
+def compiled_collectives(spec, raf, steps=4, sink=False):
     """Inductor's program for the GPT: its collectives, graphs and recompiles, and per
-    collective the kernels between its issue and its wait."""
+    collective the kernels between its issue and its wait. ``sink``: the reductions'
+    waits moved on the CPU too, as on a GPU."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
+
+    from funshard.step.overlap import FxPass
 
     torch._dynamo.reset()
     counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _gpt()
-    step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=True,
+    compile = ({"options": {"post_grad_custom_post_pass": FxPass(sink_on_cpu=True)}}
+               if sink else True)
+    step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile,
                          policy=fs.Policy(reshard_after_forward=raf))
     state = step.init(fs.shard(fs.params(model), mesh(spec)))
     batches = _batches(steps, world)
@@ -172,7 +188,9 @@ def compiled_collectives(spec, raf, steps=4):
     for b in mine[1:]:
         state, _ = step(state, b)
         graphs.append(counters["stats"]["unique_graphs"])
-    kinds = [m[2] for m in map(_ISSUE.match, codes[0].splitlines()) if m] if codes else []
+    lines = codes[0].splitlines() if codes else []
+    kinds = [m[1] for m in map(_issue, lines) if m]
+    kinds += ["in_place"] * sum(bool(_ISSUE_OUT.match(line)) for line in lines)
     groups = len(fs.list_groups(fs.params(model)))
     torch._dynamo.reset()
     gc.collect()
@@ -180,21 +198,27 @@ def compiled_collectives(spec, raf, steps=4):
             windows(codes[0]) if codes else [])
 
 
-@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_each_group_is_one_gather_and_one_reduce_scatter_in_inductors_program(pools, raf):
+@pytest.mark.parametrize("raf,sink", [(True, True), (False, True), (True, False)],
+                         ids=["full_shard", "shard_grad_op", "full_shard-cpu_order"])
+def test_each_group_is_one_gather_and_one_reduce_scatter_in_inductors_program(pools, raf,
+                                                                              sink):
     """Counted in inductor's program, and overlapped with compute: in forward each block's
-    gather is issued while the block before it computes, in backward each reduce-scatter
-    is waited on after the next group's backward computes."""
-    for counts, graphs, groups, programs, runs in pools.run(2, compiled_collectives, raf,
-                                                            timeout=900):
+    gather is issued while the block before it computes, in backward (in the GPU's order)
+    each reduce-scatter is waited on after the next group's backward computes; in the
+    CPU's own order, where it is issued."""
+    for counts, graphs, groups, programs, runs in pools.run(2, compiled_collectives, raf, 4,
+                                                            sink, timeout=900):
         blocks = groups - 1  # the rest (embeddings, final norm, tied head): kept gathered
         assert programs == 2 and graphs == [2, 2, 2, 2], (programs, graphs)
         gathers = 1 + (2 * blocks if raf else blocks)  # recomputed in backward: FULL_SHARD
         assert counts.get("all_gather_into_tensor") == gathers, counts
         assert counts.get("reduce_scatter_tensor") == groups, counts
+        # each gathered in place, into the buffer its pack filled (where torch can)
+        assert counts.get("in_place", 0) == (gathers if _compat.GATHER_OUT else 0), counts
         ahead = sum(n > 0 for k, n in runs if k == "all_gather_into_tensor")
         assert ahead >= blocks - 1, runs
-        assert sum(n > 0 for k, n in runs if k == "reduce_scatter_tensor") >= groups - 2, runs
+        later = sum(n > 0 for k, n in runs if k == "reduce_scatter_tensor")
+        assert later >= groups - 2 if sink else later == 0, runs
 
 
 def _llama():

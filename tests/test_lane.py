@@ -211,7 +211,7 @@ def test_compiled_collectives_overlap_compute_on_device(pools):
     next group's backward."""
     if DEVICE != "cuda":
         pytest.skip("inductor's C++ kernels on the CPU: tests/test_compiled_features.py "
-                    "checks the same program there")
+                    "checks the same order there (the reductions' asked for on the CPU)")
     runs, groups = pools.run(1, overlap_on_device, timeout=900)[0]
     ahead = [n > 0 for k, n in runs if k == "all_gather_into_tensor"]
     later = [n > 0 for k, n in runs if k == "reduce_scatter_tensor"]

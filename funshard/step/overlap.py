@@ -1,6 +1,6 @@
 """The compiled step's collectives overlapped with its compute: a pass over inductor's
-post-grad graph that issues each forward all-gather a group earlier and waits on each
-reduction a group later.
+post-grad graph that issues each forward all-gather a group earlier, waits on each
+reduction a group later (on a GPU), and gathers in place.
 
 [Note: overlap by program order] Traced, the step's program issues each group's all-gather
 where the group's module begins and waits on it at once (its first use follows), and waits
@@ -11,10 +11,26 @@ does. This pass, over the graph inductor lowers (``post_grad_custom_post_pass``)
   the previous all-gather's wait: it runs while the previous group computes, and its own
   wait stays where its group first uses it, so at most two groups are gathered at a time,
   as the eager step and FSDP2 prefetch one group ahead.
-- **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result, to
-  just before the next gradient buffer is laid out (:func:`funshard.step.packing.lay`) or
-  its first use, whichever comes first: the reduction runs while the next group's backward
-  computes, and at most one is in flight.
+- **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result and
+  the mean's division, to just before the next gradient buffer is laid out
+  (:func:`funshard.step.packing.lay`) or its first use, whichever comes first: the
+  reduction runs while the next group's backward computes, and at most one is in flight.
+  On a GPU only, where NCCL runs it on its own stream. On the CPU, gloo runs it on the
+  cores the compute runs on and holds temporaries the size of its buffer while in flight,
+  beside the next group's gather and that gather's own: moved, the waits cost shape B
+  67 MiB of in-step peak (323 MiB against 256; the eager step's: 275), for step times
+  within this machine's noise of each other
+  (``benchmarks/results/2026-11-27-cpu-reductions.md``). So on the CPU each
+  reduction is waited on where it is issued, as the eager step finishes it before the next
+  group's first use; ``FxPass(sink_on_cpu=True)`` moves them there too (the tests check
+  the GPU's order on the CPU with it).
+
+Then each all-gather of a pack gathers **in place**, as the eager step's c10d transport
+does: the shards are packed into this rank's segment of the gathered buffer
+(:func:`funshard.step.packing.pack_into`), which is the collective's input and output
+(``all_gather_into_tensor_out``, as inductor's own bucketing emits it): no separate input
+buffer is made and held while the gather is in flight. (Where torch lacks that operator,
+the gathers keep their input: :data:`funshard._compat.GATHER_OUT`.)
 
 The gathers of backward (a group gathered again under FULL_SHARD) stay where they are.
 Moved too, they were measured to cost one group's buffer more at backward's peak (shape B:
@@ -48,6 +64,7 @@ _c10d = torch.ops._c10d_functional
 GATHER = _c10d.all_gather_into_tensor.default
 REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
 WAIT = _c10d.wait_tensor.default
+DIVIDE = (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar)  # the mean (packing.pack)
 LAY = packing.LAY
 COLLECTIVES = (GATHER, WAIT, *REDUCTIONS)
 
@@ -104,16 +121,22 @@ def raise_gathers(items: list) -> int:
     return moved
 
 
-def sink_waits(items: list) -> int:
-    """Each reduction's wait, with the views of its result, moved to just before the next
-    gradient buffer's layout or the first other node that reads its result, whichever
-    comes first (never past the output); returns how many moved."""
+def sink_waits(items: list, on_cpu: bool = False) -> int:
+    """Each reduction's wait, with the views of its result and the mean's division, moved
+    to just before the next gradient buffer's layout or the first other node that reads its
+    result, whichever comes first (never past the output); a reduction of CPU tensors only
+    if ``on_cpu``; returns how many moved."""
     moved = 0
     for red in [x for x in items if x.target in REDUCTIONS]:
         wait = _wait_of(red)
-        if wait is not None:
+        if wait is not None and (on_cpu or _device(red) != "cpu"):
             moved += _sink(items, items.index(wait))
     return moved
+
+
+def _device(node: fx.Node) -> str | None:
+    val = node.meta.get("val")
+    return val.device.type if isinstance(val, torch.Tensor) else None
 
 
 def _sink(items: list, at: int) -> int:
@@ -126,7 +149,7 @@ def _sink(items: list, at: int) -> int:
             break
         if not any(i in reads for i in x.all_input_nodes):
             passed.append(x)
-        elif getattr(x.target, "is_view", False):  # (moved with it, after what it passes)
+        elif getattr(x.target, "is_view", False) or x.target in DIVIDE:  # (moved with it)
             views.append(x)
             reads.add(x)
         else:
@@ -138,31 +161,67 @@ def _sink(items: list, at: int) -> int:
     return 1
 
 
-def fx_pass(graph: fx.Graph) -> None:
+def gather_in_place(graph: fx.Graph) -> int:
+    """Each all-gather of a pack (used by nothing else) made to gather in place, as the
+    eager step's c10d transport does: the shards packed into this rank's segment of the
+    gathered buffer (:func:`~funshard.step.packing.pack_into`), which is the collective's
+    input and output (``all_gather_into_tensor_out``, as inductor's own bucketing emits
+    it), so no separate input buffer is made and held per gather; returns how many."""
+    if _compat.GATHER_OUT is None:
+        return 0
+    done = 0
+    for ag in [x for x in graph.nodes if x.target is GATHER]:
+        packed, world, group = ag.args
+        if getattr(packed, "target", None) is not packing.PACK or len(packed.users) != 1:
+            continue
+        shards, numels, dtype, _, rank = packed.args
+        val, n = ag.meta["val"], sum(numels)
+        with graph.inserting_before(packed):
+            buf = graph.call_function(packing.PACK_INTO, (shards, numels, dtype, world, rank))
+            seg = graph.call_function(torch.ops.aten.slice.Tensor,
+                                      (buf, 0, rank * n, (rank + 1) * n))
+        with graph.inserting_before(ag):
+            out = graph.call_function(_compat.GATHER_OUT, (seg, world, group), {"out": buf})
+        buf.meta["val"] = out.meta["val"] = val
+        seg.meta["val"] = val.narrow(0, rank * n, n)
+        ag.replace_all_uses_with(out)
+        graph.erase_node(ag)
+        graph.erase_node(packed)
+        done += 1
+    return done
+
+
+def fx_pass(graph: fx.Graph, sink_on_cpu: bool = False) -> None:
     """The pass over the post-grad graph: the order inductor lowers, and in which it
     chains the collectives (each issued after the waits before it)."""
     items = list(graph.nodes)
     raise_gathers(items)
-    sink_waits(items)
+    sink_waits(items, sink_on_cpu)
     at = None
     for n in items:
         if at is not None and n.prev is not at:
             at.append(n)
         at = n
+    gather_in_place(graph)
     graph.lint()
 
 
 class FxPass(_compat.CustomGraphPass or object):
-    """:func:`fx_pass` as inductor's custom post-grad pass (its cache key: this file)."""
+    """:func:`fx_pass` as inductor's custom post-grad pass (its cache key: this file and
+    ``sink_on_cpu``)."""
+
+    def __init__(self, sink_on_cpu: bool = False):
+        self.sink_on_cpu = sink_on_cpu
 
     def __call__(self, graph: fx.Graph) -> None:
-        fx_pass(graph)
+        fx_pass(graph, self.sink_on_cpu)
 
     def uuid(self) -> str:
         import hashlib
         from pathlib import Path
 
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        key = Path(__file__).read_bytes() + bytes([self.sink_on_cpu])
+        return hashlib.sha256(key).hexdigest()
 
 
 # inductor's options the compiled step's programs are compiled under, beneath the caller's

@@ -4,7 +4,12 @@
 in the dtype they move in: the all-gather's input. ``unpack`` cuts each leaf's full tensor
 out of the gathered ``(world, group)`` buffer, in its compute dtype. Their gradients are
 each other's transposes: the reduce-scatter's output cut into the leaves' shard gradients,
-the leaves' full gradients laid into one ``(world, group)`` buffer.
+the leaves' full gradients laid into one ``(world, group)`` buffer. ``pack``'s ``divide``
+takes the mean there, as the eager step does: the reduce-scatter's sum divided once per
+group, before the cut (on a 1-D mesh; on a 2-D one the mean waits for the replicate
+all-reduce), so the program's gradients are that one buffer, not a second copy of it.
+``pack_into`` is the pack that :mod:`funshard.step.overlap` puts in its place, to gather in
+place: the copy into this rank's segment of the gathered buffer.
 
 [Note: why the copies are operators] Written as ``torch.cat``, ``F.pad`` and slices, the
 compiler fused them with their neighbours, and two things went wrong, both measured on
@@ -32,10 +37,7 @@ def _padded(s: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("funshard::pack", mutates_args=())
-def pack(shards: list[torch.Tensor], numels: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """The shards end to end, shard ``i`` padded to ``numels[i]`` elements, as ``dtype``."""
-    out = torch.empty(sum(numels), dtype=dtype, device=shards[0].device)
+def _fill(out: torch.Tensor, shards: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     at = 0
     for s, n in zip(shards, numels):
         k = s.numel()
@@ -46,23 +48,51 @@ def pack(shards: list[torch.Tensor], numels: list[int], dtype: torch.dtype) -> t
     return out
 
 
+@torch.library.custom_op("funshard::pack", mutates_args=())
+def pack(shards: list[torch.Tensor], numels: list[int], dtype: torch.dtype, divide: int,
+         rank: int) -> torch.Tensor:
+    """The shards end to end, shard ``i`` padded to ``numels[i]`` elements, as ``dtype``;
+    in backward, the gradient divided by ``divide`` before it is cut. ``rank``: this
+    rank's place among the gather's (for :func:`pack_into`)."""
+    return _fill(torch.empty(sum(numels), dtype=dtype, device=shards[0].device), shards,
+                 numels)
+
+
 @pack.register_fake
-def _(shards, numels, dtype):
+def _(shards, numels, dtype, divide, rank):
     return shards[0].new_empty(sum(numels), dtype=dtype)
 
 
+@torch.library.custom_op("funshard::pack_into", mutates_args=())
+def pack_into(shards: list[torch.Tensor], numels: list[int], dtype: torch.dtype, world: int,
+              rank: int) -> torch.Tensor:
+    """``pack`` into segment ``rank`` of a ``world`` times longer buffer, the rest unset:
+    an all-gather's output that is, in place, its input (:mod:`funshard.step.overlap`)."""
+    n = sum(numels)
+    out = torch.empty(world * n, dtype=dtype, device=shards[0].device)
+    _fill(out[rank * n:(rank + 1) * n], shards, numels)
+    return out
+
+
+@pack_into.register_fake
+def _(shards, numels, dtype, world, rank):
+    return shards[0].new_empty(world * sum(numels), dtype=dtype)
+
+
 def _pack_context(ctx, inputs, output) -> None:
-    shards, numels, _ = inputs
+    shards, numels, _, divide, _ = inputs
     ctx.layout = [(tuple(s.shape), s.numel(), s.dtype) for s in shards]
-    ctx.numels = numels
+    ctx.numels, ctx.divide = numels, divide
 
 
 def _pack_backward(ctx, grad):
+    if ctx.divide != 1:
+        grad = grad / ctx.divide
     out, at = [], 0
     for (shape, k, dt), n in zip(ctx.layout, ctx.numels):
         out.append(grad[at:at + k].view(shape).to(dt))
         at += n
-    return out, None, None
+    return out, None, None, None, None
 
 
 pack.register_autograd(_pack_backward, setup_context=_pack_context)
@@ -140,3 +170,4 @@ unpack.register_autograd(_unpack_backward, setup_context=_unpack_context)
 # what a group region's selective-checkpoint policy recomputes in backward
 OPS = (torch.ops.funshard.pack.default, torch.ops.funshard.unpack.default)
 LAY = torch.ops.funshard.lay.default  # a gradient buffer laid out (funshard.step.overlap)
+PACK, PACK_INTO = torch.ops.funshard.pack.default, torch.ops.funshard.pack_into.default

@@ -167,6 +167,11 @@ class Program:
         self.shard_mesh = mesh[SHARD] if mesh.ndim > 1 else mesh
         self.world = mesh.size()
         self.alone = collectives.skips(self.world)  # a world of one: no collective at all
+        # pack's (divide, rank): on a 1-D mesh the reduce-scatter's sum is the whole
+        # reduction, its mean taken in the pack's backward (one division a group), else
+        # after the replicate all-reduce; this rank's place in its shard group's gathers
+        self.place = (self.world if self.replicate_group is None else 1,
+                      mesh.get_local_rank(names.index(SHARD)))
         self.trainable = [i for i, t in enumerate(params.trainable) if t]
         check, again = policy.checkpoint, policy.reshard_after_forward
         chosen = {gi: check is True or (callable(check) and bool(check(params.names[gi])))
@@ -189,10 +194,10 @@ class Program:
                 continue
             numels = list(b.numels)
             if b.grad == b.dtype:  # gathered and reduced in one dtype
-                flat = packing.pack([local[i] for i in b.idx], numels, b.dtype)
+                flat = packing.pack([local[i] for i in b.idx], numels, b.dtype, *self.place)
                 got = _compat.all_gather(flat, 0, self.shard_group)
             else:  # cast on the way, its gradient cast back before the reduce-scatter
-                flat = packing.pack([local[i] for i in b.idx], numels, b.master)
+                flat = packing.pack([local[i] for i in b.idx], numels, b.master, *self.place)
                 got = DTensor.from_local(flat, self.shard_mesh, [Shard(0)], run_check=False
                                          ).redistribute(
                     self.shard_mesh, [Replicate()], forward_dtype=b.dtype,
@@ -281,8 +286,8 @@ class Program:
             return grads
         pending: dict[tuple, list[int]] = {}
         for j, (i, g) in enumerate(zip(self.trainable, grads)):
-            if g is None:
-                continue
+            if g is None or (lays[i].sharded and self.replicate_group is None):
+                continue  # (reduce-scattered over every rank, its mean taken: a 1-D mesh)
             groups = ((self.replicate_group,) if lays[i].sharded else
                       (self.shard_group, self.replicate_group))
             pending.setdefault((g.dtype, groups), []).append(j)
@@ -291,11 +296,11 @@ class Program:
             for name in groups:
                 if name is not None:
                     flat = _compat.wait_tensor(_compat.all_reduce(flat, "sum", name))
-            at = 0
+            flat, at = flat / self.world, 0
             for j in js:
                 n = grads[j].numel()
                 grads[j], at = flat[at:at + n].view(grads[j].shape), at + n
-        return [g if g is None else g / self.world for g in grads]
+        return grads
 
 
 def _detached(x: Any) -> Any:
