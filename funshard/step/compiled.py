@@ -129,7 +129,7 @@ def _inputs(program, leaves: list) -> list:
 # group modules (``blocks``), the Policy, the tensors passed in, and the globals.
 _OWN = tuple(f"program.{a}" for a in (
     "params", "like", "template", "trainable", "buckets", "regions", "shard_group",
-    "replicate_group", "shard_mesh", "world", "alone", "train", "leaves"))
+    "replicate_group", "shard_mesh", "world", "alone", "train", "leaves", "place"))
 
 
 def _own_guards(entries: list) -> list[bool]:

@@ -174,7 +174,7 @@ def gather_in_place(graph: fx.Graph) -> int:
         packed, world, group = ag.args
         if getattr(packed, "target", None) is not packing.PACK or len(packed.users) != 1:
             continue
-        shards, numels, dtype, _, rank = packed.args
+        shards, numels, dtype, _, rank, _ = packed.args
         val, n = ag.meta["val"], sum(numels)
         with graph.inserting_before(packed):
             buf = graph.call_function(packing.PACK_INTO, (shards, numels, dtype, world, rank))

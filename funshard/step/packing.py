@@ -4,10 +4,11 @@
 in the dtype they move in: the all-gather's input. ``unpack`` cuts each leaf's full tensor
 out of the gathered ``(world, group)`` buffer, in its compute dtype. Their gradients are
 each other's transposes: the reduce-scatter's output cut into the leaves' shard gradients,
-the leaves' full gradients laid into one ``(world, group)`` buffer. ``pack``'s ``divide``
-takes the mean there, as the eager step does: the reduce-scatter's sum divided once per
-group, before the cut (on a 1-D mesh; on a 2-D one the mean waits for the replicate
-all-reduce), so the program's gradients are that one buffer, not a second copy of it.
+the leaves' full gradients laid into one ``(world, group)`` buffer. ``pack``'s backward
+finishes the reduction as the eager step does, once per group on the reduce-scatter's
+output before the cut: on a 2-D mesh the all-reduce over the replicate ranks, then the
+mean (one division); so the program's gradients are those buffers, not a concatenation or
+a second copy of every gradient at its end.
 ``pack_into`` is the pack that :mod:`funshard.step.overlap` puts in its place, to gather in
 place: the copy into this rank's segment of the gathered buffer.
 
@@ -25,7 +26,11 @@ just before its gather, each gradient buffer is filled by plain copies.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .. import _compat
 
 
 def _padded(s: torch.Tensor, n: int) -> torch.Tensor:
@@ -50,16 +55,18 @@ def _fill(out: torch.Tensor, shards: list[torch.Tensor], numels: list[int]) -> t
 
 @torch.library.custom_op("funshard::pack", mutates_args=())
 def pack(shards: list[torch.Tensor], numels: list[int], dtype: torch.dtype, divide: int,
-         rank: int) -> torch.Tensor:
+         rank: int, across: Optional[str]) -> torch.Tensor:
     """The shards end to end, shard ``i`` padded to ``numels[i]`` elements, as ``dtype``;
-    in backward, the gradient divided by ``divide`` before it is cut. ``rank``: this
-    rank's place among the gather's (for :func:`pack_into`)."""
+    in backward, the gradient (the reduce-scatter's sum) all-reduced over the process group
+    named ``across`` (a 2-D mesh's replicate dim; None: none) and divided by ``divide``
+    before it is cut. ``rank``: this rank's place among the gather's (for
+    :func:`pack_into`)."""
     return _fill(torch.empty(sum(numels), dtype=dtype, device=shards[0].device), shards,
                  numels)
 
 
 @pack.register_fake
-def _(shards, numels, dtype, divide, rank):
+def _(shards, numels, dtype, divide, rank, across):
     return shards[0].new_empty(sum(numels), dtype=dtype)
 
 
@@ -80,19 +87,21 @@ def _(shards, numels, dtype, world, rank):
 
 
 def _pack_context(ctx, inputs, output) -> None:
-    shards, numels, _, divide, _ = inputs
+    shards, numels, _, divide, _, across = inputs
     ctx.layout = [(tuple(s.shape), s.numel(), s.dtype) for s in shards]
-    ctx.numels, ctx.divide = numels, divide
+    ctx.numels, ctx.divide, ctx.across = numels, divide, across
 
 
 def _pack_backward(ctx, grad):
+    if ctx.across is not None:  # the replicate ranks' sum, one all-reduce a group
+        grad = _compat.wait_tensor(_compat.all_reduce(grad, "sum", ctx.across))
     if ctx.divide != 1:
         grad = grad / ctx.divide
     out, at = [], 0
     for (shape, k, dt), n in zip(ctx.layout, ctx.numels):
         out.append(grad[at:at + k].view(shape).to(dt))
         at += n
-    return out, None, None, None, None
+    return out, None, None, None, None, None
 
 
 pack.register_autograd(_pack_backward, setup_context=_pack_context)

@@ -51,9 +51,11 @@ inductor program per step: no host work per op, no graph break. How the pieces m
   gradient's cast back before the reduce-scatter, as SimpleFSDP gathers. (A plain gather
   of the cast shards reduces in the gather's dtype: autograd casts a gradient to its
   input's dtype before it reaches the all-gather's backward.)
-- **The reductions.** The reduce-scatter comes from autograd, summed over ranks; on a 2-D
-  mesh one all-reduce over ``"replicate"`` follows, and replicated leaves (scalars) are
-  all-reduced over every data-parallel rank; the mean divides by the data-parallel world.
+- **The reductions.** The reduce-scatter comes from autograd, summed over ranks; the
+  pack's backward finishes each group's, on its output: on a 2-D mesh one all-reduce over
+  ``"replicate"``, then the mean (divided by the data-parallel world), as the eager step
+  does per group. Replicated leaves (scalars) are all-reduced over every data-parallel rank
+  at the end, one all-reduce per dtype and mesh dim.
 """
 
 from __future__ import annotations
@@ -167,11 +169,10 @@ class Program:
         self.shard_mesh = mesh[SHARD] if mesh.ndim > 1 else mesh
         self.world = mesh.size()
         self.alone = collectives.skips(self.world)  # a world of one: no collective at all
-        # pack's (divide, rank): on a 1-D mesh the reduce-scatter's sum is the whole
-        # reduction, its mean taken in the pack's backward (one division a group), else
-        # after the replicate all-reduce; this rank's place in its shard group's gathers
-        self.place = (self.world if self.replicate_group is None else 1,
-                      mesh.get_local_rank(names.index(SHARD)))
+        # pack's (divide, rank, across): its backward finishes each group's reduction (the
+        # replicate all-reduce, the mean); this rank's place in its shard group's gathers
+        self.place = (self.world, mesh.get_local_rank(names.index(SHARD)),
+                      self.replicate_group)
         self.trainable = [i for i, t in enumerate(params.trainable) if t]
         check, again = policy.checkpoint, policy.reshard_after_forward
         chosen = {gi: check is True or (callable(check) and bool(check(params.names[gi])))
@@ -279,21 +280,19 @@ class Program:
         return tree if bufs is None else (tree, bufs)
 
     def reduce(self, grads: list) -> list:
-        """The reduce-scattered sums as means over the data-parallel ranks: the replicate
-        all-reduce (2-D) and the replicated leaves' all-reduce, one per dtype."""
+        """The replicated leaves' gradients as means over the data-parallel ranks, one
+        all-reduce per dtype and mesh dim (a sharded leaf's is one already: its group's
+        pack's backward finished it)."""
         lays = self.params.layouts
         if self.alone:
             return grads
-        pending: dict[tuple, list[int]] = {}
+        pending: dict[torch.dtype, list[int]] = {}
         for j, (i, g) in enumerate(zip(self.trainable, grads)):
-            if g is None or (lays[i].sharded and self.replicate_group is None):
-                continue  # (reduce-scattered over every rank, its mean taken: a 1-D mesh)
-            groups = ((self.replicate_group,) if lays[i].sharded else
-                      (self.shard_group, self.replicate_group))
-            pending.setdefault((g.dtype, groups), []).append(j)
-        for (_, groups), js in pending.items():
+            if g is not None and not lays[i].sharded:
+                pending.setdefault(g.dtype, []).append(j)
+        for js in pending.values():
             flat = torch.cat([grads[j].reshape(-1) for j in js])
-            for name in groups:
+            for name in (self.shard_group, self.replicate_group):
                 if name is not None:
                     flat = _compat.wait_tensor(_compat.all_reduce(flat, "sum", name))
             flat, at = flat / self.world, 0
