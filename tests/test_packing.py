@@ -1,7 +1,8 @@
 """The compiled step's copies around a gather (``funshard.step.packing``): a group's shards
-packed per rank and gathered, then unpacked, give back the full leaves; ``lay`` is
-``unpack``'s transpose; both operators' gradients are what autograd gives the same copies
-written with ``torch.cat`` and slices."""
+packed per rank and gathered, then unpacked, give back the full leaves (and packed in place,
+each rank's segment of the gathered buffer); ``lay`` is ``unpack``'s transpose; both
+operators' gradients are what autograd gives the same copies written with ``torch.cat`` and
+slices, the pack's divided by its ``divide``."""
 
 import torch
 from hypothesis import given, settings
@@ -48,9 +49,15 @@ def test_pack_gather_unpack_is_the_identity_and_lay_its_transpose(group, dtype):
     dims = [d for _, shape, _ in lay for d in shape]
     ndims = [len(shape) for _, shape, _ in lay]
     rows = [r for _, _, r in lay]
-    per_rank = [packing.pack([_shard(f, world, r) for f in full], numels, dtype)
+    per_rank = [packing.pack([_shard(f, world, r) for f in full], numels, dtype, 1, r, None)
                 for r in range(world)]
     gathered = torch.cat(per_rank)
+    # pack_into (a gather in place): rank r's pack, at its segment of the gathered buffer
+    n = sum(numels)
+    for r in range(world):
+        into = packing.pack_into([_shard(f, world, r) for f in full], numels, dtype, world, r)
+        assert into.shape == gathered.shape and torch.equal(into[r * n:(r + 1) * n],
+                                                            per_rank[r])
     back = packing.unpack(gathered, world, numels, dims, ndims, rows, torch.float64)
     assert all(torch.equal(a, b.to(dtype).double()) for a, b in zip(back, full))
     # <unpack(x), y> == <x, lay(y)>: lay is unpack's transpose
@@ -65,10 +72,14 @@ def test_pack_gather_unpack_is_the_identity_and_lay_its_transpose(group, dtype):
 def test_the_operators_gradients_are_autograds_of_the_plain_copies():
     torch.manual_seed(0)
     shards = [torch.randn(3, 2, requires_grad=True), torch.randn(1, requires_grad=True)]
-    flat = packing.pack(shards, [6, 2], torch.float32)
+    flat = packing.pack(shards, [6, 2], torch.float32, 1, 0, None)
     w = torch.randn(8)
     (gs,) = torch.autograd.grad((flat * w).sum(), [shards[0]])
     assert torch.equal(gs, w[:6].view(3, 2))
+    # divide: the mean of the reduce-scatter's sum, taken on the gradient before the cut
+    flat = packing.pack(shards, [6, 2], torch.float32, 4, 0, None)
+    (gs,) = torch.autograd.grad((flat * w).sum(), [shards[0]])
+    assert torch.equal(gs, (w / 4)[:6].view(3, 2))
     gathered = torch.randn(2 * 7, requires_grad=True)  # world 2: leaves (6, 2) and (2,)
     outs = packing.unpack(gathered, 2, [6, 1], [6, 2, 2], [2, 1], [5, 2], torch.float32)
     assert [tuple(o.shape) for o in outs] == [(5, 2), (2,)]
