@@ -33,15 +33,6 @@ import torch
 from .. import _compat
 
 
-def _padded(s: torch.Tensor, n: int) -> torch.Tensor:
-    flat = s.reshape(-1)
-    if flat.numel() == n:
-        return flat
-    out = flat.new_zeros(n)
-    out[:flat.numel()].copy_(flat)
-    return out
-
-
 def _fill(out: torch.Tensor, shards: list[torch.Tensor], numels: list[int]) -> torch.Tensor:
     at = 0
     for s, n in zip(shards, numels):
