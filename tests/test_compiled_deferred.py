@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 import torch.distributed as dist
 
 import funshard as fs
@@ -208,3 +208,88 @@ def test_a_refused_step_keeps_the_buffers_as_the_eager_step(pools, spec):
         assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
         assert all(torch.allclose(cb[k].double(), eb[k].double(), atol=1e-5) for k in eb)
         assert int(cb["1.num_batches_tracked"]) == 3, cb["1.num_batches_tracked"]
+
+
+SKIP_OPTIMIZERS = {  # a schedule, so that a count in doubt tells in the learning rate too
+    "adamw": lambda: fs.optim.adamw(fs.optim.linear(LR, LR / 10, 8), weight_decay=0.1),
+    "sgd": lambda: fs.optim.sgd(fs.optim.cosine(0.1, 0.01, 8), momentum=0.9,
+                                dampening=0.1, weight_decay=0.01),  # (the first step tells)
+}
+
+
+def through_skips(spec, compile, optimizer, steps, bads, reads):
+    """Train under ``Policy(skip_nonfinite=True, clip_norm=1.0)`` on ``steps`` batches, NaN
+    at ``bads``, reading the metrics after the steps in ``reads``: per read step (its index,
+    skipped); the counts and the optimizer's per-leaf counts (read from the fields, as a
+    checkpoint reads them, before the last step's verdict was read otherwise); the final
+    parameters."""
+    torch._dynamo.reset()
+    model = _gpt()
+    step = fs.train_step(_scaled_loss(model), SKIP_OPTIMIZERS[optimizer](),
+                         policy=fs.Policy(skip_nonfinite=True, clip_norm=1.0),
+                         compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scales = [torch.tensor(math.nan if i in bads else 1.0) for i in range(steps)]
+    seen = []
+    for i, ((x, y), s) in enumerate(zip(_batches(steps, world), scales)):
+        state, metrics = step(state, _local(x, y, s, rank))
+        if i in reads:
+            seen.append((i, metrics["skipped"]))
+    counts = fs.pytree.leaves(state.opt_state.count)
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return seen, (state.step, state.skipped, counts), full
+
+
+@settings(max_examples=6, deadline=None)
+@given(bads=st.sets(st.integers(0, 5), max_size=3), reads=st.sets(st.integers(0, 5)),
+       optimizer=st.sampled_from(sorted(SKIP_OPTIMIZERS)))
+@example(bads={0}, reads=set(), optimizer="sgd")  # SGD's first step in doubt: read at once
+@example(bads={1, 2}, reads={4}, optimizer="adamw")  # two in a row, unread
+def test_skips_read_late_train_as_the_eager_step(pools, bads, reads, optimizer):
+    """A law over where the NaN batches fall and which steps' metrics the caller reads,
+    under ``skip_nonfinite``: the compiled step reads nothing until asked, skips the NaN
+    steps on the device, and its metrics, counts (the state's and each leaf's, which the
+    optimizer's bias corrections and schedule read) and parameters are the eager step's."""
+    steps = 6
+    for (es, ec, ep), (cs, cc, cp) in zip(
+            pools.run(2, through_skips, False, optimizer, steps, bads, reads, timeout=600),
+            pools.run(2, through_skips, AOT, optimizer, steps, bads, reads, timeout=600)):
+        assert es == [(i, int(i in bads)) for i in sorted(reads)], es
+        assert cs == es and cc == ec == (steps, len(bads), ec[2]), (cs, es, cc, ec)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
+
+
+def handed_over(spec, second, steps=5, bad=1, at=2):
+    """Under ``skip_nonfinite``, batch ``bad`` NaN: a compiled step trains the batches before
+    ``at``, unread, and hands its state to ``second`` (another compiled step of its own, or
+    the eager step) for the rest: the counts and final parameters."""
+    def make(compile):
+        return fs.train_step(_scaled_loss(model), SKIP_OPTIMIZERS["adamw"](),
+                             policy=fs.Policy(skip_nonfinite=True, clip_norm=1.0),
+                             compile=compile)
+
+    torch._dynamo.reset()
+    model = _gpt()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = make(AOT)
+    then = make(second) if second is not None else first
+    state = first.init(fs.shard(fs.params(model), mesh(spec)))
+    scales = [torch.tensor(math.nan if i == bad else 1.0) for i in range(steps)]
+    for i, ((x, y), s) in enumerate(zip(_batches(steps, world), scales)):
+        state, _ = (first if i < at else then)(state, _local(x, y, s, rank))
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return (state.step, state.skipped, fs.pytree.leaves(state.opt_state.count)), full
+
+
+@pytest.mark.parametrize("second", ["compiled", "eager"], ids=str)
+def test_a_state_handed_to_another_step_unread_trains_as_one_step(pools, second):
+    """The verdict of the step before the hand-over is unread (skipped on the device): the
+    step it is handed to reads it first (its update's case and the device's scale are the
+    first step's), and trains as the one compiled step would."""
+    for (rc, rp), (hc, hp) in zip(pools.run(2, handed_over, None, timeout=600),
+                                  pools.run(2, handed_over,
+                                            AOT if second == "compiled" else False,
+                                            timeout=600)):
+        assert hc == rc and rc[:2] == (5, 1), (hc, rc)
+        assert max((hp[k] - rp[k]).abs().max().item() for k in rp) <= 1e-6

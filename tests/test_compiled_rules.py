@@ -310,8 +310,9 @@ def test_logging_in_the_model_runs_at_the_eager_step_and_not_in_the_program(pool
     for r in pools.run(2, logging_runs, timeout=600):
         (el, ep, _, _, erec), (cl, cp, graphs, breaks, crec) = r["eager"], r["compiled"]
         assert graphs == 2 and breaks == 0, (graphs, breaks)
-        assert cl == el, (cl, el)
-        # (the update is the compiled step's own program: aot_eager may round it apart)
+        # (the update is the compiled step's own program: aot_eager may round it apart,
+        # by the machine's vector width; the first loss comes before any update)
+        assert cl[0] == el[0] and max(abs(a - b) for a, b in zip(cl, el)) <= 1e-6, (cl, el)
         assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-6
         assert erec.count("forward of a _LoggingNet") == 3 and erec.count("said once") == 1
         assert crec == ["forward of a _LoggingNet", "said once"], crec  # the eager step's

@@ -292,14 +292,17 @@ def test_a_step_reads_the_device_once(pools, spec, policy):
 
 
 COMPILED = {"clip": {"clip_norm": 1.0}, "mean_accumulate": {"_mean": True, "accumulate": 2},
-            "grad_op_mixed": {"reshard_after_forward": False, "param_dtype": torch.bfloat16}}
+            "grad_op_mixed": {"reshard_after_forward": False, "param_dtype": torch.bfloat16},
+            "skip_nonfinite": {"skip_nonfinite": True, "clip_norm": 1.0},
+            "loss_scale": {"param_dtype": torch.float16, "reduce_dtype": torch.float32,
+                           "loss_scale": "dynamic"}}
 
 
 @pytest.mark.parametrize("spec", [1, 2, "2x2"], ids=str)
 @pytest.mark.parametrize("policy", list(COMPILED), ids=str)
 def test_a_compiled_step_reads_nothing_until_the_caller_does(pools, spec, policy):
-    """The compiled step (adamw, the default rule for a non-finite step) reads nothing on
-    the host: its checks and metrics wait on the device; the caller's first read of the
+    """The compiled step (adamw, a non-finite step refused or skipped) reads nothing on the
+    host: its checks and metrics wait on the device; the caller's first read of the
     metrics is the one read (unread, the next step's start reads them)."""
     for rank, (seen, read, loss) in enumerate(pools.run(
             spec, host_reads, COMPILED[policy], "adamw", {"backend": "aot_eager"})):
@@ -309,13 +312,16 @@ def test_a_compiled_step_reads_nothing_until_the_caller_does(pools, spec, policy
         assert loss == loss  # the step ran
 
 
+@pytest.mark.parametrize("policy", ["clip", "skip_nonfinite", "loss_scale"], ids=str)
 @pytest.mark.parametrize("spec", [1, 2], ids=str)
-def test_a_compiled_step_unread_reads_the_step_before_last(pools, spec):
+def test_a_compiled_step_unread_reads_the_step_before_last(pools, spec, policy):
     """Metrics never read: a compiled step's start reads the checks of the step before
     last (on a GPU, from pinned memory, after the device finished that step's backward),
-    so that a refusal comes two steps late at most, and nothing else."""
+    so that a refusal comes two steps late at most, and nothing else; under
+    ``skip_nonfinite`` or a dynamic loss scale the update and the scale take the last
+    step's verdict on the device."""
     for rank, (seen, read, loss) in enumerate(pools.run(
-            spec, host_reads, {"clip_norm": 1.0}, "adamw", {"backend": "aot_eager"}, True)):
+            spec, host_reads, COMPILED[policy], "adamw", {"backend": "aot_eager"}, True)):
         assert sum(seen.values()) == 1 and all(w.startswith("step/deferred.py") for w in seen), \
             (rank, seen)
         assert sum(read.values()) == 2, (rank, read)  # the caller's: this step's, the last one's

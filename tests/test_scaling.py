@@ -28,11 +28,12 @@ def _batches(world, per_rank, steps, dev="cpu"):
                   for _ in range(2)) for _ in range(steps)]
 
 
-def grad_scaler_parity(spec, mult, compile=False):
+def grad_scaler_parity(spec, mult, compile=False, late=False):
     """funshard on the mesh against torch: a float16 copy of float32 masters per step, each
     rank's loss scaled by a GradScaler and its float16 gradients averaged in float32 (as
     DDP with GradScaler), AdamW on the masters. ``mult`` scales the loss so that the first
-    steps overflow at 2^16. On the lane's device (float16 kernels and NCCL on a GPU)."""
+    steps overflow at 2^16. On the lane's device (float16 kernels and NCCL on a GPU).
+    ``late``: every step's metrics read after the last step (the state's fields first)."""
     m = mesh(spec)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     model = _gpt(dev)
@@ -44,11 +45,13 @@ def grad_scaler_parity(spec, mult, compile=False):
     opt = torch.optim.AdamW(masters.parameters(), lr=1e-2, foreach=True)
     scaler = torch.amp.GradScaler(dev.type)
     ref_loss = gpt_loss(half)
-    ours, theirs, norms, ref_norms = [], [], [], []
+    ours, theirs, norms, ref_norms, unread = [], [], [], [], []
     for b in _batches(world, 2, 6, dev):
         state, mt = step(state, tuple(x[rank * 2:(rank + 1) * 2] for x in b))
-        ours.append((mt["skipped"], mt["loss_scale"]))
-        norms.append(mt["grad_norm"])
+        unread.append(mt)
+        if not late:
+            ours.append((mt["skipped"], mt["loss_scale"]))
+            norms.append(mt["grad_norm"])
         used = scaler.get_scale()
         with torch.no_grad():
             for h, p in zip(half.parameters(), masters.parameters()):
@@ -71,6 +74,9 @@ def grad_scaler_parity(spec, mult, compile=False):
         moved = any(not torch.equal(a, p) for a, p in zip(before, masters.parameters()))
         theirs.append((int(not moved), used))
     full = fs.unshard(state.params)
+    if late:
+        ours = [(mt["skipped"], mt["loss_scale"]) for mt in unread]
+        norms = [mt["grad_norm"] for mt in unread]
     err = max((full[k] - v).abs().max().item() for k, v in masters.named_parameters())
     finite = [(a, b) for a, b in zip(norms, ref_norms) if b == b and b != float("inf")]
     norm_err = max(abs(a - b) / b for a, b in finite) if finite else None
@@ -96,14 +102,20 @@ def test_dynamic_loss_scale_is_torchs_grad_scaler(pools, spec):
         assert err < (1e-6 if DEVICE == "cpu" else 2e-2 * (6 - skips)), err
 
 
-def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools):
+@pytest.mark.parametrize("late", [False, True], ids=["read", "late"])
+def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools, late):
     """train_step(compile=True) under the dynamic scale: the scale is an input of the
-    program, so a new scale is not a new program; the same skips, scales and parameters."""
+    program, so a new scale is not a new program; the same skips, scales and parameters.
+    Its metrics read after the last step (``late``), the scale lives on the device: each
+    step takes the one the steps before left, with no read, and the state's scale and
+    counts are the eager step's when read."""
     torch._dynamo.reset()
     for ours, theirs, err, counts, ls, norm_err in pools.run(
-            2, grad_scaler_parity, 16.0, {"backend": "aot_eager"}, timeout=600):
+            2, grad_scaler_parity, 16.0, {"backend": "aot_eager"}, late, timeout=600):
         assert ours == theirs, (ours, theirs)
-        assert 1 <= sum(s for s, _ in ours) <= 5, ours
+        skips = sum(s for s, _ in ours)
+        assert 1 <= skips <= 5 and counts == (6, skips), (ours, counts)
+        assert ls == LossScale(ours[-1][1], 6 - ours.index((0, ours[-1][1]))), (ls, ours)
         assert err < 1e-6 and norm_err < 1e-5, (err, norm_err)
 
 

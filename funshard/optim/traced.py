@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, locals_of,
-                   lr_at)
+                   lr_at, unflatten)
 
 
 class Traced(NamedTuple):
@@ -55,7 +55,7 @@ class Prepared(NamedTuple):
 
     groups: tuple
     static: tuple
-    scal: list
+    scal: list  # [case][row][scalar]: the second case, the step before skipped
     state: Any
 
 
@@ -68,28 +68,62 @@ def _decays(t: Traced, params: Tree) -> list[bool]:
 
 
 def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
-            norm: Optional[float]) -> Prepared:
+            norm: Optional[float], doubt: Optional[tuple] = None) -> Prepared:
     """The host's part of one update: ``grads`` per leaf (None: no update), ``norm`` the
     step's global gradient norm (finite; None: the clip factor is worked out on the device
-    and the rows carry 1). The state's counts advance as the chain's do."""
+    and the rows carry 1). The state's counts advance as the chain's do.
+
+    ``scal`` holds two sets of rows: the second for the case that the step before this one
+    was skipped on the device, its verdict not yet read (``doubt``: the leaves that step
+    counted; None: no doubt, the two sets alike); [Note: two counts in doubt] in
+    :mod:`funshard.step.deferred`. Leaves share a row where both cases give them the same."""
     paths, _, _ = flatten(params)
     idx = [i for i, g in enumerate(grads) if g is not None]
     tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
     check_held(paths, idx, flatten(tensors)[1])
     prior, count = advance_counts(state.count, len(grads), idx, step)
+    if doubt is None:
+        alt, alt_step = prior, step
+    else:
+        alt, alt_step = advance_counts(uncount(state.count, doubt), len(grads), idx,
+                                       step - 1)[0], step - 1
     coef = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
-    lr, decays = lr_at(t.lr, step), _decays(t, params)
+    lr, alt_lr, decays = lr_at(t.lr, step), lr_at(t.lr, alt_step), _decays(t, params)
     rows: dict[tuple, list[int]] = {}
-    for i in idx:
-        lead = prior[i] if t.kind == "adam" else prior[i] == 0  # a count, or SGD's first
+    for i in idx:  # a count each way, or SGD's first (alike both ways: see decided())
+        lead = (prior[i], alt[i]) if t.kind == "adam" else (prior[i] == 0,) * 2
         rows.setdefault((lead, decays[i]), []).append(i)
     wd = t.weight_decay
     static = tuple((0.0 if t.decoupled or not d else wd, d and t.decoupled)
-                   if t.kind == "adam" else (wd if d else 0.0, lead)
+                   if t.kind == "adam" else (wd if d else 0.0, lead[0])
                    for lead, d in rows)
-    scal = [_row(t, key, coef, lr) for key in rows]
+    scal = [[_row(t, (lead[k], d), coef, r) for lead, d in rows]
+            for k, r in ((0, lr), (1, alt_lr))]
     return Prepared(tuple(tuple(v) for v in rows.values()), static, scal,
                     state._replace(count=count))
+
+
+def uncount(count: Tree, idx) -> Tree:
+    """``count`` with one update fewer for the leaves at ``idx`` (a step found skipped after
+    its counts advanced); None stays None (such a state counts by the step)."""
+    if count is None:
+        return None
+    _, counts, spec = flatten(count)
+    counts = list(counts)
+    for i in idx:
+        counts[i] -= 1
+    return unflatten(spec, counts)
+
+
+def decided(t: Traced, state: Any, doubt: tuple, step: int) -> bool:
+    """Whether one program serves both cases of ``doubt``: SGD's first update of a leaf is
+    fixed in the trace, and a leaf first updated by the step in doubt is first or not."""
+    if t.kind != "sgd":
+        return True
+    if state.count is None:
+        return step != 1
+    counts = flatten(state.count)[1]
+    return all(counts[i] != 1 for i in doubt)
 
 
 def _row(t: Traced, key: tuple, coef: float, lr: float) -> list[float]:

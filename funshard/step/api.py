@@ -73,6 +73,7 @@ class TrainState(donation.Donatable, _TrainStateFields):
     params = donation.field(0, "params")
     opt_state = donation.field(1, "opt_state")
     buffers = donation.field(3, "buffers")
+    skipped = donation.field(4, "skipped", donated=True)
     loss_scale = donation.field(5, "loss_scale")
 
 
@@ -199,13 +200,15 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
     if torch.is_inference_mode_enabled():
         raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                            "gradient can be computed; call it outside.")
-    no_read = deferred.usable(compiled, optimizer, policy, state)
-    if pending is not None and not no_read:  # this step reads: the earlier ones first
-        pending.settle()
+    no_read = deferred.usable(compiled, optimizer)
+    if pending is not None and not (no_read and pending.program is compiled.updates):
+        pending.settle()  # this step reads, or another step's device state: theirs first
     params, leaves = groups_for(state.params)
     donations.check(state, leaves)
     _check_counts(state)
     scaling.check_state(policy, state.loss_scale)
+    scale = (deferred.loss_scale(policy, state, compiled.updates, pending, params.device)
+             if no_read else state.loss_scale)
     direct = direct_.usable(params)  # see [Note: the direct path]
     shards = (params.leaves.of(params, leaves) if direct else
               [d._local_tensor.detach().requires_grad_(t)
@@ -216,11 +219,10 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
         buffers_.check_dtypes(params, state.buffers, where="train_step")
 
     def eager() -> update.Grads:
-        return _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct,
-                              state.loss_scale)
+        return _micro_batches(loss_fn, params, shards, policy, batch, bufs, direct, scale)
 
     out = (eager() if compiled is None else
-           compiled.grads(params, leaves, bufs, batch, eager, state.loss_scale))
+           compiled.grads(params, leaves, bufs, batch, eager, scale))
     if no_read:
         new_state, metrics = deferred.update(optimizer, policy, params, state, out, batch,
                                              compiled.updates, pending)

@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import _compat, collectives, pytree
-from . import backend, batches, update
+from . import backend, batches, scaling, update
 from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
@@ -191,8 +191,7 @@ class Compiled:
         (None: none)."""
         parts = batches.split(batch, self.policy.accumulate)
         keys = [self._key(params, [mb], bufs) for mb in parts]
-        factor = None if scale is None else torch.full(  # as scaling.scaled makes it
-            (), scale.scale, dtype=torch.float32, device=params.device)
+        factor = None if scale is None else scaling.factor(scale, params.device)
         if any(k not in self.entries for k in keys):
             new = {k: mb for k, mb in zip(keys, parts) if k not in self.entries}
             out = self._first(params, leaves, keys, eager)

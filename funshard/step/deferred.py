@@ -20,9 +20,26 @@ usable again (its tensors kept their values on the device, the steps issued sinc
 their updates too) and the states returned since refuse to be read. A rank whose loss
 reached some trainable leaf on no rank of its own reads the per-leaf flags at once (which
 leaves no rank reached), as the eager step does. The buffers (``state.buffers``) take the
-step's working copies where ``ok`` holds, on the device too. A float16 loss scale and
-``skip_nonfinite`` keep the eager step's read: which steps the optimizer counts (its bias
-corrections, on the host) would depend on the verdict.
+step's working copies where ``ok`` holds, on the device too. A dynamic loss scale lives on
+the device as well ([Note: a loss scale on the device] in :mod:`funshard.step.scaling`).
+
+[Note: two counts in doubt] Under ``Policy(skip_nonfinite=True)`` (or a dynamic loss scale,
+for an overflow) a non-finite step is skipped, not refused, and the optimizer does not
+count it (``step - skipped``, each leaf's count: Adam's bias corrections, SGD's first step,
+the schedule's step). The host, a step ahead of the device, builds each step's state as if
+the step before it applied, while that step's verdict is unread; the update then carries
+its scalars both ways (the second as if the step before was skipped: each leaf it counted
+one update fewer, the schedule a step back) and the device takes the case its last verdict
+says (``applied``), so the update is the eager step's either way with no read. When a
+verdict reads as skipped, the states built on it are corrected where they are read (their
+fields, what ``fs.state_dict`` and a checkpoint read): ``skipped`` one more, the counts of
+the leaves that step counted one fewer, and after an overflow the loss scale as the rule
+moves it. SGD's first update of a leaf is fixed in the program's trace, so the step after a
+leaf's first update reads the verdict before it (a leaf's first two steps only). The
+device's own state (``applied``, the scale, the health) moves only once a step's update
+ran, so a step that raises leaves it as the verdict still unread left it; and a state
+handed to another step (another ``train_step``, the eager one) with a verdict unread has it
+read first, since that step's device state never saw it.
 """
 
 from __future__ import annotations
@@ -34,17 +51,26 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, pytree
-from . import batches
+from ..optim import traced as traced_
+from . import batches, donation, scaling
 from .metrics import Metrics
 from .params import ParamGroups
 from .update import (HEAD, Grads, check_trained, count_error, empty_batch, loss_error,
                      nonfinite_error, norm_of, read_head, sums_head)
 
 
-def usable(compiled, optimizer, policy, state) -> bool:
+def usable(compiled, optimizer) -> bool:
     """Whether this step goes without the host read: the same on every rank."""
-    return (compiled is not None and compiled.updates.covers(optimizer)
-            and not policy.skip_nonfinite and state.loss_scale is None)
+    return compiled is not None and compiled.updates.covers(optimizer)
+
+
+def loss_scale(policy, state, program, pending: "Verdict | None", device):
+    """The loss scale this step uses: the state's, or a dynamic one's device copy
+    ([Note: a loss scale on the device] in :mod:`funshard.step.scaling`)."""
+    if not scaling.dynamic(policy):
+        return state.loss_scale
+    return scaling.on_device(state.loss_scale, program.loss_scale(device),
+                             pending is None or not pending.open())
 
 
 class Verdict:
@@ -53,9 +79,13 @@ class Verdict:
     once and returns the metrics, or raises the step's refusal (or an earlier step's: this
     one's update was then skipped too), every time it is called."""
 
-    def __init__(self, read: Callable[[list], dict], vec: torch.Tensor,
-                 prior: "Verdict | None"):
+    def __init__(self, read: Callable[[list], tuple], vec: torch.Tensor,
+                 prior: "Verdict | None", delta: tuple = (), given=None, program=None):
         self.read, self.prior, self.event = read, prior, None
+        self.program = program  # the update program whose device state it moved
+        self.delta = delta  # the leaves whose counts this step advanced
+        self.given = given  # the state the step was given
+        self.built: list = []  # the states built as if it applied (until read)
         if vec.device.type == "cuda":  # no wait: pinned memory, an event to wait on later
             self.host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
             self.host.copy_(vec, non_blocking=True)
@@ -66,6 +96,10 @@ class Verdict:
         self.values: dict | None = None
         self.error: BaseException | None = None
         self.on_refused: Callable[[], None] | None = None
+
+    def open(self) -> bool:
+        """Whether it is still unread."""
+        return self.values is None and self.error is None
 
     def unread(self) -> list["Verdict"]:
         """This verdict and the unread ones before it, oldest first."""
@@ -95,7 +129,13 @@ class Verdict:
         if self.event is not None:
             self.event.synchronize()
         try:
-            self.values = self.read(self.host.tolist())  # the step's one read, when asked
+            self.values, rescale = self.read(self.host.tolist())  # the one read, when asked
+            if self.values.get("skipped"):  # the states built as if it applied: corrected
+                before, finite = self.given, False  # (its gradients' overflow: the scale)
+                for state in self.built:
+                    _uncount(state, self.delta, (before, finite) if rescale else None)
+                    before, finite = state, True
+            self.built = self.given = None
         except (ValueError, FloatingPointError) as e:
             self.error = type(e)(
                 f"{e} (Read after the step returned: its update was skipped on the device, "
@@ -119,6 +159,27 @@ def take(state) -> "Verdict | None":
     return pending if unread else None
 
 
+def _field(state, name: str):
+    """``state``'s field ``name`` as corrected, read without settling or refusing."""
+    return donation.values(state)[type(state)._fields.index(name)]
+
+
+def _uncount(state, delta: tuple, rescale: tuple | None) -> None:
+    """``state``, built as if a step applied that was skipped: ``skipped`` one more, the
+    counts of ``delta`` one fewer ([Note: two counts in doubt]); where the step's gradients
+    overflowed, ``rescale``: (the state ``state`` was built from, corrected, whether the
+    step between had finite gradients), the loss scale moved on from that state's."""
+    vals = list(donation.values(state))
+    at = type(state)._fields.index
+    vals[at("skipped")] += 1
+    opt = vals[at("opt_state")]
+    vals[at("opt_state")] = opt._replace(count=traced_.uncount(opt.count, delta))
+    if rescale is not None:
+        before, finite = rescale
+        vals[at("loss_scale")] = scaling.following(_field(before, "loss_scale"), finite)
+    state._fixed = tuple(vals)
+
+
 def give_back(state, pending: Verdict | None) -> None:
     """A step that raised before it returned: ``state`` holds its verdicts again."""
     if pending is not None and state._donated_to is None:
@@ -140,6 +201,9 @@ def attach(metrics: dict, old, new, donations, leaves: list, program) -> None:
 
     verdict.on_refused = refused
     new._pending = verdict
+    for v in (verdict, verdict.prior):  # those this state's counts take as applied
+        if v is not None and v.open():
+            v.built.append(new)
 
 
 def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> torch.Tensor:
@@ -155,43 +219,72 @@ def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> 
     return torch.cat([sums_head(params, out, k, rows, per.sum()), per, reached])
 
 
-def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip,
-               health: torch.Tensor) -> tuple:
+def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program,
+               skip: bool, mirror: tuple | None) -> tuple:
     """From the all-reduced sums: the gradients' factor (fs.Mean; else None) and ``(clip
-    factor, ok)`` as float32, as the host would work them out; ``health`` (no step refused
-    and unread before this one) goes into ``ok`` and takes it."""
+    factor, ok, the step before applied)`` as float32, as the host would work them out.
+    ``program``'s health (no step refused and unread before this one) goes into ``ok``.
+    And what moves the device's state, once the update ran (a step that raises before
+    leaves it): the health takes ``ok``, or the checks but the finite ones where a
+    non-finite step is skipped, not refused (``skip``, or an overflow a dynamic scale,
+    ``mirror``, cures; the scale moves too); ``applied`` takes ``ok``."""
     world = params.world
+    health, applied = program.health(params.device), program.applied(params.device)
     loss, sq, count, means = vec[0], vec[1], vec[2], vec[3]
     h, h2 = vec[6], vec[7]
-    ok = (h * h == world * h2) & (means == (world if mean else 0))
-    factor = None
+    agree = (h * h == world * h2) & (means == (world if mean else 0)) & health
+    factor, loss_ok = None, None
     if mean:
         factor = world / count
         loss, sq = loss / count, sq * (factor * factor)
-        ok = ok & (count > 0)
+        loss_ok = count > 0
     else:
         loss = loss / world
-    ok = ok & loss.isfinite() & sq.isfinite() & health
-    health.copy_(ok)
+    grads_ok = sq.isfinite()
+    loss_ok = loss.isfinite() if loss_ok is None else loss.isfinite() & loss_ok
+    ok = agree & grads_ok & loss_ok
+    if skip:
+        keep = agree
+    elif mirror is not None:  # an overflow the scale cures (above 1) is skipped
+        keep = agree & (grads_ok | ~grads_ok & (mirror[0] > 1.0)) & loss_ok
+    else:
+        keep = ok
     gain = (torch.ones_like(sq) if clip is None
             else (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0))
-    return factor, torch.stack([gain, ok.double()]).float()
+    dev = torch.stack([gain, ok.double(), applied.double()]).float()
+
+    def commit() -> None:
+        health.copy_(keep)
+        applied.copy_(ok)
+        if mirror is not None:
+            scaling.step_on_device(mirror, grads_ok)
+
+    return factor, dev, commit
 
 
 def _reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
-            step: int, note: str) -> Callable[[list], dict]:
-    """How the host reads the sums: the eager step's checks, then the metrics. (It holds
-    no tensor of the step: the gradients are freed as the eager step frees them.)"""
+            step: int, note: str, skip: bool, scale) -> Callable[[list], tuple]:
+    """How the host reads the sums: the eager step's checks, then the metrics, and whether a
+    dynamic scale moved otherwise than the host took it to (``skip``: a non-finite step
+    reads as skipped; under a dynamic scale an overflow too; ``scale``: the loss scale, a
+    number, ``"dynamic"`` (the one the step used, last in the sums) or None). (It holds no
+    tensor of the step: the gradients are freed as the eager step frees them.)"""
+    dynamic = scale == "dynamic"
 
-    def read(vals: list) -> dict:
+    def read(vals: list) -> tuple:
         loss, sq, count, _ = read_head(params, order, vals)
         per = vals[HEAD:HEAD + len(present)]
         norm = norm_of(sq)
         metrics = {**host, "loss": loss, "grad_norm": norm}
         if mean:
             metrics["count"] = count
-        if math.isfinite(norm) and math.isfinite(loss):
-            return metrics
+        if scale is not None:  # (a power of two, summed over ranks: exact)
+            metrics["loss_scale"] = vals[-1] / params.world if dynamic else scale
+        grads_ok, loss_ok = math.isfinite(norm), math.isfinite(loss)
+        if grads_ok and loss_ok:
+            return metrics, False
+        if skip or (dynamic and not grads_ok and loss_ok and metrics["loss_scale"] > 1.0):
+            return {**metrics, "skipped": 1}, dynamic and not grads_ok
         if mean and not count > 0:
             raise count_error(count, step)
         if not math.isfinite(norm):
@@ -208,21 +301,31 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     device, and ``program``'s update applied where ``ok`` holds: no host read (but the
     unreached-leaf rule's, on a rank that reached some leaf no rank may have)."""
     check_trained(params, out.grads)
+    ls, dynamic = state.loss_scale, scaling.dynamic(policy)
+    mirror = program.loss_scale(params.device) if dynamic else None
+    if ls is not None:  # the gradients' scale: divided out first ([Note: loss scaling])
+        dtypes = [lay.dtype for lay in params.layouts]
+        out = out._replace(grads=scaling.unscale_on_device(out.grads, dtypes, mirror[0])
+                           if dynamic else scaling.unscale(out.grads, dtypes, ls))
     present = [i for i, g in enumerate(out.grads) if g is not None]
     vec = _sums(params, out, present, policy.accumulate, batches.rows(batch))
+    if dynamic:  # the scale the step used, for the metrics
+        vec = torch.cat([vec, mirror[0].double().reshape(1)])
     if not collectives.skips(params.world):
         with collectives.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(vec)
-    grads = list(out.grads)
+    grads, counted = list(out.grads), present  # (counted: the leaves the update counts)
     if any(i not in out.used for i in present):  # did any rank reach it? (a read)
-        flags = vec[HEAD + len(present):].tolist()
+        flags = vec[HEAD + len(present):HEAD + 2 * len(present)].tolist()
         for i, f in zip(present, flags):
             if not f:
                 grads[i] = None
         check_trained(params, grads)
-    clip = optimizer.traced.clip
-    factor, dev = _on_device(params, vec, out.count is not None, clip,
-                             program.health(params.device))
+        counted = [i for i in present if grads[i] is not None]
+    skip = policy.skip_nonfinite
+    doubt = _doubt(optimizer.traced, state, prior) if skip or dynamic else None
+    factor, dev, commit = _on_device(params, vec, out.count is not None,
+                                     optimizer.traced.clip, program, skip, mirror)
     if factor is not None:  # fs.Mean: the gradient of the mean over every item
         kept = [g for g in grads if g is not None]
         for dt in {g.dtype for g in kept}:
@@ -231,13 +334,31 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
             "unsharded_bytes_peak": out.peaks[1], "skipped": 0}  # (the first two: when read)
     if out.count is not None:
         host["count"] = None
+    if ls is not None:
+        host["loss_scale"] = None
     if any(a is not None for a in out.aux):
         host["aux"] = out.aux[0] if policy.accumulate == 1 else out.aux
     verdict = Verdict(_reader(params, out.order, out.count is not None, present, host,
-                              state.step, empty_batch(batch)), vec, prior)
+                              state.step, empty_batch(batch), skip,
+                              None if ls is None else "dynamic" if dynamic else ls.scale),
+                      vec, prior, tuple(counted) if skip or dynamic else (), state, program)
     new_params, opt_state = program(optimizer, pytree.unflatten(params.spec, grads),
                                     state.opt_state, state.params,
                                     step=state.step - state.skipped, norm=None,
-                                    device=params.device, dev=dev)
+                                    device=params.device, dev=dev, doubt=doubt)
+    commit()
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
-                          buffers=None), Metrics(host, verdict, dev[1] > 0)
+                          buffers=None, loss_scale=scaling.after(policy, ls, True)
+                          ), Metrics(host, verdict, dev[1] > 0)  # (as if finite: corrected)
+
+
+def _doubt(t, state, prior: Verdict | None) -> tuple | None:
+    """The leaves the step before counted, while its verdict (skipped or not) is unread;
+    where one program cannot serve both cases, the verdict read now instead ([Note: two
+    counts in doubt]; a skip read corrects ``state``)."""
+    if prior is None or not prior.open():
+        return None
+    if traced_.decided(t, state.opt_state, prior.delta, state.step - state.skipped):
+        return prior.delta
+    prior.settle()
+    return None

@@ -7,9 +7,12 @@ donated state's ``params``, ``opt_state``, ``buffers`` or ``loss_scale``, indexi
 iterating or unpacking it (``_replace``, ``_asdict``, pickling, ``fs.state_dict`` and
 ``fs.checkpoint.save`` do) raises a ``ValueError`` naming the step it was donated to and
 the fix; its ``step`` and ``skipped`` counts stay readable. optree reads a tuple's items
-directly, so ``optree.tree_flatten`` of a donated state still walks it: funshard's own
-functions read a state through its fields. A state that reaches the step again another way
-(a copy taken before the call) is caught by its step count (:class:`Donations`).
+directly, so ``optree.tree_flatten`` of a donated state still walks it, and sees the
+counts a compiled step built its state with before it read that a step before was skipped
+(corrected in the fields: [Note: two counts in doubt] in :mod:`funshard.step.deferred`):
+funshard's own functions read a state through its fields. A state that reaches the step
+again another way (a copy taken before the call) is caught by its step count
+(:class:`Donations`).
 """
 
 from __future__ import annotations
@@ -24,18 +27,19 @@ class Donatable:
     __slots__ = ()
     _donated_to = None  # the step the state was given to, once it was
     _pending = None  # the checks of the step that returned it, until read (step.deferred)
+    _fixed = None  # its values, corrected once a step it was built on read as skipped
 
     def __iter__(self):
         settle(self)
         if self._donated_to is not None:
             refuse(self, "iterating (unpacking, _replace, pickling, a state dict of) it")
-        return tuple.__iter__(self)
+        return iter(values(self))
 
     def __getitem__(self, i):
         settle(self)
         if self._donated_to is not None:
             refuse(self, f"indexing it ([{i!r}], as fs.state_dict and fs.checkpoint.save do)")
-        return tuple.__getitem__(self, i)
+        return values(self)[i]
 
     def __repr__(self) -> str:
         if self._donated_to is not None:
@@ -44,16 +48,24 @@ class Donatable:
         return super().__repr__()
 
 
-def field(index: int, name: str) -> property:
-    """The NamedTuple field ``name`` (at ``index``), refused on a donated state."""
+def values(state) -> tuple:
+    """``state``'s values, as corrected (:mod:`funshard.step.deferred`'s [Note: two counts in
+    doubt]), without settling or refusing anything."""
+    return state._fixed if state._fixed is not None else tuple(tuple.__iter__(state))
+
+
+def field(index: int, name: str, donated: bool = False) -> property:
+    """The NamedTuple field ``name`` (at ``index``), refused on a donated state (but
+    ``donated``: a count readable after)."""
 
     def read(state):
         settle(state)
-        if state._donated_to is not None:
+        if state._donated_to is not None and not donated:
             refuse(state, f"reading its .{name}")
-        return tuple.__getitem__(state, index)
+        return values(state)[index]
 
-    return property(read, doc=f"``{name}`` (refused once the state is donated to a step).")
+    return property(read, doc=f"``{name}`` (refused once the state is donated to a step)."
+                    if not donated else f"``{name}``.")
 
 
 def settle(state) -> None:

@@ -80,10 +80,18 @@ def initial(policy) -> LossScale | None:
 
 def scaled(loss: torch.Tensor, k: int, ls: LossScale | None) -> torch.Tensor:
     """What backward starts from: the micro-batch's share of the loss, times the scale as
-    GradScaler multiplies it (a float32 scalar: a float16 loss is promoted)."""
+    GradScaler multiplies it (a float32 scalar: a float16 loss is promoted; or the
+    device's own, :func:`on_device`)."""
     if ls is None:
         return loss / k
-    return loss / k * torch.full((), ls.scale, dtype=torch.float32, device=loss.device)
+    return loss / k * factor(ls, loss.device)
+
+
+def factor(ls: LossScale, device: torch.device) -> torch.Tensor:
+    """The scale as the float32 scalar the loss is multiplied by."""
+    if isinstance(ls.scale, torch.Tensor):
+        return ls.scale
+    return torch.full((), ls.scale, dtype=torch.float32, device=device)
 
 
 def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale) -> list:
@@ -114,8 +122,51 @@ def after(policy, ls: LossScale | None, grads_finite: bool) -> LossScale | None:
     """The scale for the next step (GradScaler's ``update()``)."""
     if ls is None or not dynamic(policy):
         return ls
+    return following(ls, grads_finite)
+
+
+def following(ls: LossScale, grads_finite: bool) -> LossScale:
+    """The dynamic scale after a step whose gradients were finite or not."""
     if not grads_finite:
         return LossScale(max(ls.scale * BACKOFF, 1.0), 0)
     if ls.good_steps + 1 >= INTERVAL:
         return LossScale(ls.scale * GROWTH, 0)
     return LossScale(ls.scale, ls.good_steps + 1)
+
+
+# [Note: a loss scale on the device] The compiled step that reads nothing (step.deferred)
+# keeps the dynamic scale on the device too: a float32 scale and its count of finite
+# steps, which the program multiplies the loss by, the gradients are divided by (times the
+# reciprocal, as GradScaler), and each step moves by :func:`following`'s rule where the
+# gradients' finiteness is known, on the device, with no read. The host's state holds the
+# scale as if every unread step's gradients were finite, corrected when a verdict reads
+# otherwise; whenever no verdict is unread, the device's copy is set from the state's.
+
+
+def on_device(ls: LossScale, mirror: tuple, fresh: bool) -> LossScale:
+    """The scale a step uses: ``mirror``, the device's (scale, finite steps), set from
+    ``ls`` first where ``fresh`` (no unread step could have moved it)."""
+    scale, good = mirror
+    if fresh:
+        scale.fill_(ls.scale)
+        good.fill_(ls.good_steps)
+    return LossScale(scale, good)
+
+
+def unscale_on_device(grads: list, dtypes: list[torch.dtype], scale: torch.Tensor) -> list:
+    """:func:`unscale` by the device's scale."""
+    out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
+    present, recip = [g for g in out if g is not None], scale.reciprocal()
+    with torch.no_grad():
+        for dt in {g.dtype for g in present}:
+            torch._foreach_mul_([g for g in present if g.dtype == dt], recip.to(dt))
+    return out
+
+
+def step_on_device(mirror: tuple, grads_finite: torch.Tensor) -> None:
+    """Move the device's (scale, finite steps) as :func:`following` moves the state's."""
+    scale, good = mirror
+    grow = good + 1 >= INTERVAL
+    scale.copy_(torch.where(grads_finite, torch.where(grow, scale * GROWTH, scale),
+                            (scale * BACKOFF).clamp(min=1.0)))
+    good.copy_(torch.where(grads_finite & ~grow, good + 1, torch.zeros_like(good)))

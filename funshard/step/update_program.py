@@ -39,7 +39,10 @@ _ids = itertools.count()
 
 
 def _update(fn, hyper, static, groups, scal, dev):
-    return fn(hyper, static, groups, scal, dev)
+    """``scal``'s first case, or where ``dev`` says the step before was skipped, its second
+    ([Note: two counts in doubt] in :mod:`funshard.step.deferred`)."""
+    scal = scal[0] if dev is None else torch.where(dev[2] > 0, scal[0], scal[1])
+    return fn(hyper, static, groups, scal, dev[:2] if dev is not None else None)
 
 
 def _scalars(rows: list, device: torch.device) -> torch.Tensor:
@@ -78,6 +81,8 @@ class UpdateProgram:
         self.options = options
         self.fns: dict[tuple, list] = {}  # key -> [compiled fn, ran once]
         self._health: torch.Tensor | None = None
+        self._applied: torch.Tensor | None = None
+        self._scale: tuple | None = None
 
     def health(self, device: torch.device | None) -> torch.Tensor:
         """A bool on ``device``: false from a step refused on the device until the host
@@ -87,19 +92,34 @@ class UpdateProgram:
             self._health = torch.ones((), dtype=torch.bool, device=device)
         return self._health
 
+    def applied(self, device: torch.device) -> torch.Tensor:
+        """A bool on ``device``: whether the last step that did not read applied its update
+        ([Note: two counts in doubt] in :mod:`funshard.step.deferred`)."""
+        if self._applied is None or self._applied.device != device:
+            self._applied = torch.ones((), dtype=torch.bool, device=device)
+        return self._applied
+
+    def loss_scale(self, device: torch.device) -> tuple:
+        """The dynamic loss scale and its finite steps, float32 on ``device`` ([Note: a loss
+        scale on the device] in :mod:`funshard.step.scaling`)."""
+        if self._scale is None or self._scale[0].device != device:
+            self._scale = tuple(torch.ones((), device=device) for _ in range(2))
+        return self._scale
+
     @staticmethod
     def covers(optimizer) -> bool:
         return traced_.traceable(getattr(optimizer, "traced", None))
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
-                 norm: float | None, device: torch.device,
-                 dev: torch.Tensor | None = None) -> tuple[Any, Any]:
+                 norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
+                 doubt: tuple | None = None) -> tuple[Any, Any]:
         """Update ``params`` and ``opt_state`` in place (donated); return them. ``norm``: the
         step's global norm, read on the host; or None and ``dev``, the step's ``(clip
-        factor, ok)`` on the device ([Note: a step that reads nothing] in
-        :mod:`funshard.step.deferred`)."""
+        factor, ok, the step before applied)`` on the device ([Note: a step that reads
+        nothing] in :mod:`funshard.step.deferred`), ``doubt`` the leaves that step counted
+        while its verdict is unread."""
         t, grads = optimizer.traced, flatten(grad_tree)[1]
-        prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm)
+        prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
             return params, prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
