@@ -214,6 +214,7 @@ SKIP_OPTIMIZERS = {  # a schedule, so that a count in doubt tells in the learnin
     "adamw": lambda: fs.optim.adamw(fs.optim.linear(LR, LR / 10, 8), weight_decay=0.1),
     "sgd": lambda: fs.optim.sgd(fs.optim.cosine(0.1, 0.01, 8), momentum=0.9,
                                 dampening=0.1, weight_decay=0.01),  # (the first step tells)
+    "sgd_plain": lambda: fs.optim.sgd(fs.optim.cosine(0.1, 0.01, 8), weight_decay=0.01),
 }
 
 
@@ -246,6 +247,7 @@ def through_skips(spec, compile, optimizer, steps, bads, reads):
        optimizer=st.sampled_from(sorted(SKIP_OPTIMIZERS)))
 @example(bads={0}, reads=set(), optimizer="sgd")  # SGD's first step in doubt: read at once
 @example(bads={1, 2}, reads={4}, optimizer="adamw")  # two in a row, unread
+@example(bads={1}, reads=set(), optimizer="sgd_plain")  # no state: the schedule's step
 def test_skips_read_late_train_as_the_eager_step(pools, bads, reads, optimizer):
     """A law over where the NaN batches fall and which steps' metrics the caller reads,
     under ``skip_nonfinite``: the compiled step reads nothing until asked, skips the NaN

@@ -79,19 +79,21 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
     :mod:`funshard.step.deferred`. Leaves share a row where both cases give them the same."""
     paths, _, _ = flatten(params)
     idx = [i for i, g in enumerate(grads) if g is not None]
-    tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
-    check_held(paths, idx, flatten(tensors)[1])
-    prior, count = advance_counts(state.count, len(grads), idx, step)
-    if doubt is None:
-        alt, alt_step = prior, step
+    alt_step = step if doubt is None else step - 1
+    if _stateless(t):  # no state: nothing held, nothing counted (the schedule reads the step)
+        prior, alt, count = [step] * len(grads), [alt_step] * len(grads), state.count
     else:
-        alt, alt_step = advance_counts(uncount(state.count, doubt), len(grads), idx,
-                                       step - 1)[0], step - 1
+        tensors = state.exp_avg if t.kind == "adam" else state.momentum_buffer
+        check_held(paths, idx, flatten(tensors)[1])
+        prior, count = advance_counts(state.count, len(grads), idx, step)
+        alt = prior if doubt is None else advance_counts(uncount(state.count, doubt),
+                                                         len(grads), idx, alt_step)[0]
     coef = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
     lr, alt_lr, decays = lr_at(t.lr, step), lr_at(t.lr, alt_step), _decays(t, params)
     rows: dict[tuple, list[int]] = {}
     for i in idx:  # a count each way, or SGD's first (alike both ways: see decided())
-        lead = (prior[i], alt[i]) if t.kind == "adam" else (prior[i] == 0,) * 2
+        lead = ((prior[i], alt[i]) if t.kind == "adam" else (False,) * 2 if _stateless(t)
+                else (prior[i] == 0,) * 2)
         rows.setdefault((lead, decays[i]), []).append(i)
     wd = t.weight_decay
     static = tuple((0.0 if t.decoupled or not d else wd, d and t.decoupled)
@@ -111,14 +113,15 @@ def uncount(count: Tree, idx) -> Tree:
     _, counts, spec = flatten(count)
     counts = list(counts)
     for i in idx:
-        counts[i] -= 1
+        if counts[i] is not None:  # (SGD without momentum counts nothing)
+            counts[i] -= 1
     return unflatten(spec, counts)
 
 
 def decided(t: Traced, state: Any, doubt: tuple, step: int) -> bool:
     """Whether one program serves both cases of ``doubt``: SGD's first update of a leaf is
     fixed in the trace, and a leaf first updated by the step in doubt is first or not."""
-    if t.kind != "sgd":
+    if t.kind != "sgd" or _stateless(t):
         return True
     if state.count is None:
         return step != 1
@@ -143,7 +146,7 @@ def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tr
     if t.kind == "adam":
         more = [locals_of(flatten(state.exp_avg)[1]), locals_of(flatten(state.exp_avg_sq)[1])]
     else:
-        more = [locals_of(flatten(state.momentum_buffer)[1])]
+        more = [] if _stateless(t) else [locals_of(flatten(state.momentum_buffer)[1])]
     return tuple(tuple((grads[i], p[i], *(m[i] for m in more)) for i in g)
                  for g in prepared.groups)
 
@@ -187,8 +190,8 @@ def _keep(keep: torch.Tensor, olds: tuple, news: tuple) -> None:
 
 def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
                dev: Optional[torch.Tensor] = None) -> None:
-    """SGD's update with momentum, in place: ``groups[r]`` are the ``(grad, param,
-    momentum_buffer)`` local tensors of row ``r`` (``coef, -lr``), ``static[r]`` is
+    """SGD's update, in place: ``groups[r]`` are the ``(grad, param, momentum_buffer)`` local
+    tensors of row ``r`` (``coef, -lr``; without momentum no buffer), ``static[r]`` is
     ``(l2, first)`` (a leaf's first update sets its buffer to its gradient). ``dev``: as
     :func:`adam_update`'s."""
     momentum, dampening, nesterov = hyper
@@ -196,10 +199,17 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
     for (l2, first), leaves, row in zip(static, groups, scal.unbind()):
         coef, lr = row.unbind()
         coef = coef if gain is None else coef * gain
-        for g, p, buf in leaves:
+        for g, p, *buf in leaves:
             g = g.to(p.dtype) * coef
             if l2:
                 g = g.add(p, alpha=l2)
+            if not buf:  # no momentum
+                if keep is None:
+                    p.add_(g * lr)
+                else:
+                    _keep(keep, (p,), (p.add(g * lr),))
+                continue
+            buf = buf[0]
             if keep is None:
                 if first:
                     buf.copy_(g)
@@ -216,6 +226,10 @@ UPDATES = {"adam": adam_update, "sgd": sgd_update}
 
 
 def traceable(t: Optional[Traced]) -> bool:
-    """Whether :func:`prepare` covers ``t`` (SGD without momentum keeps the eager update:
-    its chain folds the decay in differently when nothing clips)."""
-    return t is not None and not (t.kind == "sgd" and t.hyper[0] == 0.0)
+    """Whether :func:`prepare` covers ``t``."""
+    return t is not None
+
+
+def _stateless(t: Traced) -> bool:
+    """SGD without momentum: no state."""
+    return t.kind == "sgd" and t.hyper[0] == 0.0
