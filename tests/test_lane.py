@@ -47,6 +47,8 @@ POLICIES = {
     "compile": {"_compile": True},
     # train_step(compile=...): the whole step as one program (the same backends)
     "compiled_step": {"_program": True},
+    # its update under skip_nonfinite: scalars both ways, the device picks (none skipped)
+    "compiled_step_skip": {"_program": True, "skip_nonfinite": True},
     # and with CUDA graphs: recorded at its third step, replayed from the fourth
     "compiled_step_cudagraphs": {"_program": "reduce-overhead"},
     # a replay per micro-batch: the first's outputs are summed after the second's

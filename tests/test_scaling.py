@@ -102,8 +102,10 @@ def test_dynamic_loss_scale_is_torchs_grad_scaler(pools, spec):
         assert err < (1e-6 if DEVICE == "cpu" else 2e-2 * (6 - skips)), err
 
 
+@pytest.mark.lane
 @pytest.mark.parametrize("late", [False, True], ids=["read", "late"])
-def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools, late):
+@pytest.mark.parametrize("spec", [1, 2], ids=str)
+def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools, spec, late):
     """train_step(compile=True) under the dynamic scale: the scale is an input of the
     program, so a new scale is not a new program; the same skips, scales and parameters.
     Its metrics read after the last step (``late``), the scale lives on the device: each
@@ -111,12 +113,14 @@ def test_dynamic_loss_scale_compiled_is_torchs_grad_scaler(pools, late):
     counts are the eager step's when read."""
     torch._dynamo.reset()
     for ours, theirs, err, counts, ls, norm_err in pools.run(
-            2, grad_scaler_parity, 16.0, {"backend": "aot_eager"}, late, timeout=600):
+            spec, grad_scaler_parity, 16.0, {"backend": "aot_eager"}, late, timeout=600):
         assert ours == theirs, (ours, theirs)
         skips = sum(s for s, _ in ours)
         assert 1 <= skips <= 5 and counts == (6, skips), (ours, counts)
         assert ls == LossScale(ours[-1][1], 6 - ours.index((0, ours[-1][1]))), (ls, ours)
-        assert err < 1e-6 and norm_err < 1e-5, (err, norm_err)
+        # (on a GPU, bounds as the eager step's: float16 kernels round otherwise)
+        assert err < (1e-6 if DEVICE == "cpu" else 2e-2 * (6 - skips)), err
+        assert norm_err < (1e-5 if DEVICE == "cpu" else 1e-3), norm_err
 
 
 def underflow(spec):
