@@ -295,3 +295,35 @@ def test_a_state_handed_to_another_step_unread_trains_as_one_step(pools, second)
                                             timeout=600)):
         assert hc == rc and rc[:2] == (5, 1), (hc, rc)
         assert max((hp[k] - rp[k]).abs().max().item() for k in rp) <= 1e-6
+
+
+def mean_with_nothing(spec, compile, steps=4, masked=1):
+    """fs.Mean under skip_nonfinite and AdamW: batch ``masked`` has every label masked on
+    every rank (its count 0: skipped), no metrics read until the end: per step (skipped,
+    count), the counts and the final parameters."""
+    from test_mean import B, IGNORE, _batch, _loss, _model
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    step = fs.train_step(_loss(model, True), SKIP_OPTIMIZERS["adamw"](),
+                         policy=fs.Policy(skip_nonfinite=True), compile=compile)
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    kept = []
+    for i in range(steps):
+        x, y = _batch(i, world, empty=False)
+        if i == masked:
+            y = torch.full_like(y, IGNORE)
+        state, metrics = step(state, (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]))
+        kept.append(metrics)
+    seen = [(m["skipped"], m["count"]) for m in kept]
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return seen, (state.step, state.skipped, fs.pytree.leaves(state.opt_state.count)), full
+
+
+def test_a_mean_of_nothing_skipped_unread_trains_as_the_eager_step(pools):
+    for (es, ec, ep), (cs, cc, cp) in zip(pools.run(2, mean_with_nothing, False, timeout=600),
+                                          pools.run(2, mean_with_nothing, AOT, timeout=600)):
+        assert [s for s, _ in cs] == [s for s, _ in es] == [0, 1, 0, 0], (cs, es)
+        assert cs[1][1] == es[1][1] == 0.0 and cc == ec and ec[:2] == (4, 1), (cc, ec)
+        assert max((cp[k] - ep[k]).abs().max().item() for k in ep) <= 1e-5
