@@ -54,7 +54,12 @@ class LocalShard(NamedTuple):
 
 
 def _flat(tree: Tree) -> tuple[list[str], list[Any], Any]:
-    """Keys (FQNs, NamedTuple fields by name), leaves and structure; None leaves skipped."""
+    """Keys (FQNs, NamedTuple fields by name), leaves and structure; None leaves skipped.
+    A step's state is read through its fields (optree reads a tuple's items directly):
+    its checks settled, refused once donated, its counts as corrected (``funshard.step``'s
+    donation and deferred modules)."""
+    if isinstance(tree, tuple) and hasattr(tree, "_donated_to"):
+        tree = type(tree)._make(tree)
     paths, leaves, spec = pytree.flatten_with_path(tree)
     keys = []
     for path in paths:

@@ -221,9 +221,8 @@ SKIP_OPTIMIZERS = {  # a schedule, so that a count in doubt tells in the learnin
 def through_skips(spec, compile, optimizer, steps, bads, reads):
     """Train under ``Policy(skip_nonfinite=True, clip_norm=1.0)`` on ``steps`` batches, NaN
     at ``bads``, reading the metrics after the steps in ``reads``: per read step (its index,
-    skipped); the counts and the optimizer's per-leaf counts (read from the fields, as a
-    checkpoint reads them, before the last step's verdict was read otherwise); the final
-    parameters."""
+    skipped); the counts and the optimizer's per-leaf counts (from the fields, and the
+    state dict's numbers, taken first); the final parameters."""
     torch._dynamo.reset()
     model = _gpt()
     step = fs.train_step(_scaled_loss(model), SKIP_OPTIMIZERS[optimizer](),
@@ -237,7 +236,9 @@ def through_skips(spec, compile, optimizer, steps, bads, reads):
         state, metrics = step(state, _local(x, y, s, rank))
         if i in reads:
             seen.append((i, metrics["skipped"]))
-    counts = fs.pytree.leaves(state.opt_state.count)
+    saved = {k: v for k, v in fs.state_dict(state, "sharded").items()  # what a checkpoint
+             if not isinstance(v, torch.Tensor)}  # takes, before any field is read
+    counts = (fs.pytree.leaves(state.opt_state.count), saved)
     full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
     return seen, (state.step, state.skipped, counts), full
 
