@@ -2,6 +2,7 @@
 mesh, step, leaf and difference where they do not."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -87,8 +88,9 @@ def test_a_skewed_gradient_fails_naming_the_step_and_leaf(pools):
         assert_parity(pools, skewed_gradient, SGD, batches(sentinel_at=(1, 5)),
                       params=params(), meshes=[2])
     msg = str(e.value)
-    assert msg.startswith("assert_parity: mesh 2, step 2 of 3, rank 0: leaf 'layers.0.b' "
-                          "differs by 0.005 (max abs diff, at (0,): "), msg
+    # (the skew is the same on every element: where the largest lands is the rounding's)
+    assert re.match(r"assert_parity: mesh 2, step 2 of 3, rank 0: leaf 'layers.0.b' "
+                    r"differs by 0\.005 \(max abs diff, at \(\d+,\): ", msg), msg
     assert "beyond atol=1e-05 + rtol=1e-05 * |one process|" in msg, msg
     assert "N ranks vs one process on the concatenated batch" in msg
 
