@@ -305,8 +305,8 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     mirror = program.loss_scale(params.device) if dynamic else None
     if ls is not None:  # the gradients' scale: divided out first ([Note: loss scaling])
         dtypes = [lay.dtype for lay in params.layouts]
-        out = out._replace(grads=scaling.unscale_on_device(out.grads, dtypes, mirror[0])
-                           if dynamic else scaling.unscale(out.grads, dtypes, ls))
+        out = out._replace(grads=scaling.unscale(
+            out.grads, dtypes, scaling.LossScale(*mirror) if dynamic else ls))
     present = [i for i, g in enumerate(out.grads) if g is not None]
     vec = _sums(params, out, present, policy.accumulate, batches.rows(batch))
     if dynamic:  # the scale the step used, for the metrics

@@ -39,7 +39,7 @@ class Donatable:
         settle(self)
         if self._donated_to is not None:
             refuse(self, f"indexing it ([{i!r}], as fs.state_dict and fs.checkpoint.save do)")
-        return values(self)[i]
+        return _item(self, i)
 
     def __repr__(self) -> str:
         if self._donated_to is not None:
@@ -54,6 +54,11 @@ def values(state) -> tuple:
     return state._fixed if state._fixed is not None else tuple(tuple.__iter__(state))
 
 
+def _item(state, i):
+    """``values(state)[i]``, without a copy of the tuple (a field read, several per step)."""
+    return state._fixed[i] if state._fixed is not None else tuple.__getitem__(state, i)
+
+
 def field(index: int, name: str, donated: bool = False) -> property:
     """The NamedTuple field ``name`` (at ``index``), refused on a donated state (but
     ``donated``: a count readable after)."""
@@ -62,7 +67,7 @@ def field(index: int, name: str, donated: bool = False) -> property:
         settle(state)
         if state._donated_to is not None and not donated:
             refuse(state, f"reading its .{name}")
-        return values(state)[index]
+        return _item(state, index)
 
     return property(read, doc=f"``{name}`` (refused once the state is donated to a step)."
                     if not donated else f"``{name}``.")

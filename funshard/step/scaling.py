@@ -96,20 +96,24 @@ def factor(ls: LossScale, device: torch.device) -> torch.Tensor:
 
 def unscale(grads: list, dtypes: list[torch.dtype], ls: LossScale) -> list:
     """The reduced gradients in their masters' ``dtypes``, divided by the scale (in place
-    where already so; a power of two divides exactly)."""
+    where already so; a power of two divides exactly); a scale on the device
+    (:func:`on_device`) without reading it."""
     out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
-    if ls.scale != 1.0:
+    if isinstance(ls.scale, torch.Tensor):
+        multiply(out, ls.scale.reciprocal())
+    elif ls.scale != 1.0:
         multiply(out, 1.0 / ls.scale)  # as GradScaler: times the reciprocal
     return out
 
 
-def multiply(grads: list, factor: float) -> None:
-    """Every gradient of ``grads`` (None: none) times ``factor``, in place: one foreach call
-    per dtype."""
+def multiply(grads: list, factor: float | torch.Tensor) -> None:
+    """Every gradient of ``grads`` (None: none) times ``factor`` (a number, or a scalar tensor
+    on their device), in place: one foreach call per dtype."""
     present = [g for g in grads if g is not None]
     with torch.no_grad():
         for dt in {g.dtype for g in present}:
-            torch._foreach_mul_([g for g in present if g.dtype == dt], factor)
+            f = factor.to(dt) if isinstance(factor, torch.Tensor) else factor
+            torch._foreach_mul_([g for g in present if g.dtype == dt], f)
 
 
 def overflowed(policy, ls: LossScale | None, grads_finite: bool, loss_finite: bool) -> bool:
@@ -151,16 +155,6 @@ def on_device(ls: LossScale, mirror: tuple, fresh: bool) -> LossScale:
         scale.fill_(ls.scale)
         good.fill_(ls.good_steps)
     return LossScale(scale, good)
-
-
-def unscale_on_device(grads: list, dtypes: list[torch.dtype], scale: torch.Tensor) -> list:
-    """:func:`unscale` by the device's scale."""
-    out = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
-    present, recip = [g for g in out if g is not None], scale.reciprocal()
-    with torch.no_grad():
-        for dt in {g.dtype for g in present}:
-            torch._foreach_mul_([g for g in present if g.dtype == dt], recip.to(dt))
-    return out
 
 
 def step_on_device(mirror: tuple, grads_finite: torch.Tensor) -> None:
