@@ -355,9 +355,8 @@ def test_in_place_is_refused_on_one_rank(pools, what):
     are autograd leaves there, so a backward inside loss_fn would fill their gradients."""
     for t, msg, unchanged in pools.run(1, unsupported, what):
         assert t == "RuntimeError", (t, msg)
-        if what == "in_place":  # autograd refuses it before the write, naming no tensor
-            assert "loss_fn wrote into a trainable parameter in place (at " in msg, msg
-            assert '.add_(1.0)), which autograd refused' in msg and unchanged, msg
+        if what == "in_place":  # autograd refuses it before the write (its own error)
+            assert unchanged, msg
         else:
             assert UNSUPPORTED[what] in msg, msg
         if what == "backward_in_loss_fn":

@@ -24,6 +24,7 @@ Caveat: a custom ``autograd.Function`` that stashes a parameter on ``ctx`` (not 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -132,7 +133,7 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
     """Forward and backward of micro-batch ``j`` of ``k`` under ``run``: (loss, aux).
     ``first``: micro-batch 0's loss (None for micro-batch 0 itself)."""
     if run.direct:
-        tree, hooks = pytree.unflatten(params.spec, run.start_direct()), direct_.Refusals()
+        tree, hooks = pytree.unflatten(params.spec, run.start_direct()), contextlib.nullcontext()
     else:
         tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
         hooks = run.saved.hooks()  # over the caller's, if theirs are on top

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from .. import pytree
-from . import recompute
+from . import lazy, recompute
 from .install import install
 from .run import Run
 
@@ -84,6 +84,8 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     stack = contextlib.ExitStack()
     stack.enter_context(install(module, merged))
     run.installed.append((module, stack))  # undone by Run.finish, after backward
+    if run.stand_group:
+        _enter_groups(run, module, merged, stack)
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
     return module(*args, **kwargs)
@@ -142,6 +144,93 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dt:
         return x.to(dt)
     return x
+
+
+# [Note: groups entered at their module]
+#
+# Inside ``fs.call`` each group that is a submodule of the module called (``layers.3``, the
+# default groups' blocks) is gathered when its module is entered, before its first op, and
+# stays resident until the module returns (FULL_SHARD then frees it, as FSDP2's module hooks
+# do); the module's forward is replaced for the call only, as Policy(checkpoint=) replaces
+# it, and put back when the micro-batch's backward is done. Every op inside, a custom
+# autograd Function's included, so receives plain gathered tensors: a Function is called
+# with tensors, not with the torch functions a stand-in sees, so a stand-in it is the first
+# to touch could only be refused. A parameter used outside its group's module (the rest
+# group '', loss_fn's own use) is gathered by its stand-in's first op, as before
+# ([Note: binding] in .lazy); a Function over such a parameter (a fused linear
+# cross-entropy over ``lm_head.weight``) receives a plain tensor once an op has used its
+# group (the final norm before the head). In backward the replaced forward only passes the
+# call on: a recompute gathers through the stand-ins ([Note: recomputation]).
+
+
+class _Entered:
+    """A group module's forward for one run: the group gathered on entry, freed on return."""
+
+    __slots__ = ("run", "gi", "forward")
+
+    def __init__(self, run: Run, gi: int, forward):
+        self.run, self.gi, self.forward = run, gi, forward
+
+    # under a compiled loss_fn: this frame runs eagerly, the module's forward is compiled
+    @functools.partial(torch.compiler.disable, recursive=False)
+    def __call__(self, *args, **kwargs):
+        run = self.run
+        if run.backward:
+            return self.forward(*args, **kwargs)
+        enter_module(run, self.gi)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            leave_module(run, self.gi)
+
+
+@lazy.eager
+def enter_module(run, gi: int) -> None:
+    """Group ``gi``'s module is entered in forward (see [Note: groups entered at their
+    module] in :mod:`.call`): the group is gathered and bound now, before the module's first
+    op, and stays resident until the module returns."""
+    run.inside[gi] = run.inside.get(gi, 0) + 1
+    group = run.groups[gi]
+    if group.resident or group.stands is None:
+        return
+    lazies = [x for x in group.stands if isinstance(x, lazy.LazyParam)]
+    if lazies:
+        lazy.gather_first(run, lazies, [gi])
+
+
+@lazy.eager
+def leave_module(run, gi: int) -> None:
+    """Group ``gi``'s module returns: FULL_SHARD frees the group, but the one backward
+    starts with (:attr:`Schedule.kept`)."""
+    n = run.inside.pop(gi) - 1
+    if n:
+        run.inside[gi] = n
+    elif run.policy.reshard_after_forward and gi != run.kept:
+        run.groups[gi].free()
+
+
+@lazy.eager  # under a compiled loss_fn too: dynamo cannot follow module lookups by path
+def _enter_groups(run: Run, module: torch.nn.Module, merged: dict,
+                  stack: contextlib.ExitStack) -> None:
+    """Each group module of ``module`` whose parameters are this run's stand-ins is entered
+    with its group gathered (see [Note: groups entered at their module])."""
+    names, of = run.params.names, run.stand_group
+    found: dict[int, None] = {}
+    for path, t in merged.items():
+        gi = of.get(id(t))
+        if gi is not None and gi not in found and names[gi] and path.startswith(names[gi]) \
+                and path[len(names[gi]):len(names[gi]) + 1] == ".":
+            found[gi] = None
+    for gi in found:
+        try:
+            sub = module.get_submodule(names[gi])
+        except AttributeError:
+            continue
+        if isinstance(sub.forward, _Entered):  # an earlier fs.call in this run replaced it
+            continue
+        before = vars(sub).get("forward", _NONE)
+        sub.forward = _Entered(run, gi, sub.forward)
+        stack.callback(_restore, sub, before)
 
 
 def _checkpoint_groups(run: Run, module: torch.nn.Module, stack: contextlib.ExitStack) -> None:

@@ -16,8 +16,8 @@ What the stand-ins checked is checked here another way, at a few microseconds a 
 
 - a write into a parameter inside the step: the leaves' version counters after backward.
   The write has landed in the state by then (as on the ALIASED path; see Group.alias); a
-  write into a trainable one under grad is refused by autograd before it lands, and
-  renamed here;
+  write into a trainable one under grad is refused by autograd before it lands (its own
+  error: the traceback's last line is the write);
 - a backward inside ``loss_fn``: a leaf with a ``.grad`` when forward ends
   (:meth:`Run.end_forward`);
 - anything done to a leaf that would outlast its step (a gradient from a backward outside
@@ -43,7 +43,6 @@ per saved tensor; neither buys anything when nothing is gathered.
 from __future__ import annotations
 
 import operator
-import traceback
 
 import torch
 
@@ -92,25 +91,3 @@ def _intact(leaf: torch.Tensor, shard: torch.Tensor, trainable: bool) -> bool:
     return (leaf.grad is None and leaf.requires_grad is trainable and not leaf._backward_hooks
             and not getattr(leaf, "_post_accumulate_grad_hooks", None)
             and leaf.data_ptr() == shard.data_ptr())
-
-
-class Refusals:
-    """Around ``loss_fn`` on the direct path: autograd's refusal of a write into a trainable
-    leaf, said as the step's refusal, with the line that wrote (autograd does not say which
-    tensor it was, so the parameter's path is not known there)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is RuntimeError and _AUTOGRAD_SAYS in str(e):
-            at = traceback.extract_tb(tb)[-1]  # the op's line in the caller's code
-            raise RuntimeError(
-                f"train_step: loss_fn wrote into a trainable parameter in place (at "
-                f"{at.filename}:{at.lineno}: {at.line}), which autograd refused before the "
-                "write; the parameters and optimizer state are unchanged. Compute out of "
-                "place.") from e
-        return False
-
-
-_AUTOGRAD_SAYS = "leaf Variable that requires grad is being used in an in-place operation"

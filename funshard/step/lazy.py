@@ -25,6 +25,7 @@ ops (a 50-step recurrence over two weights) the step takes 2.29-2.30x the plain 
 custom Functions, compiled code and recomputation a plain tensor.
 
 Limits: a custom autograd Function that is the *first* to touch a trainable parameter
+outside its group's module (:mod:`.call` gathers a group module's group as it is entered)
 receives the stand-in itself (``Function.apply`` is not a torch function), and autograd
 captures it as a leaf of its own; that is refused by name (its forward runs under no_grad,
 or it saves the stand-in). Give it a parameter whose group an earlier op has used, or use
@@ -117,7 +118,7 @@ class LazyParam(torch.Tensor):
         return f"LazyParam(shape={tuple(self.shape)}, dtype={self.dtype}, group={self._gi})"
 
 
-def _eager(fn):
+def eager(fn):
     """``fn`` runs eagerly under torch.compile: a compiled loss_fn breaks its graph here (the
     group's gather and binding), and compiles the compute between."""
     disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
@@ -139,7 +140,7 @@ def untraced(fn):
 # (Under dynamo.disable a rank once crashed later in the same test worker: compiled code
 # kept stand-ins alive past their step, and an op on one gathered on a finished run. A
 # stand-in is inert once its step ends (Group.release), which ended that.)
-@_eager
+@eager
 def _first_use(func, args: tuple, kwargs: dict):
     """An op touches a stand-in: gather and bind its group, then run the op."""
     lazies: list[LazyParam] = []
@@ -157,27 +158,24 @@ def _first_use(func, args: tuple, kwargs: dict):
         )
     if run.backward:  # a forward recomputed in backward: see [Note: recomputation]
         return _recomputed(run, func, args, kwargs, lazies)
-    grad = False
-    if func is not torch.Tensor.detach:
-        grad = _refuse_unsupported(run, lazies)
     if func is F.batch_norm:
         _refuse_running_stats(args, kwargs)
     gis = [x._gi for x in lazies]
     path = path_of(lazies[0])  # before binding turns it into a plain tensor
+    writes = _writes_into(func, args, kwargs, lazies)  # (before any is substituted)
     _scan(run, args, [], gis)  # bound leaves this op also reads
     _scan(run, kwargs.values(), [], gis)
-    with recompute.own_ops(grad):
-        run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
+    gather_first(run, lazies, gis, checked=func is not torch.Tensor.detach)
     if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
         args = _substitute(run, args)
         kwargs = dict(zip(kwargs, _substitute(run, kwargs.values())))
     try:
         return func(*args, **kwargs)
-    except RuntimeError as e:  # autograd forbids writing into a trainable one
-        if "modified inplace" in str(e) or "used in an in-place operation" in str(e):
+    except RuntimeError as e:  # said as what the op did, never read from torch's words
+        if writes:  # autograd forbids it for a trainable one
             raise in_place_error(path, func) from e
         dt = run.policy.param_dtype
-        if dt is not None and any(m in str(e) for m in _DTYPE_CLASH):
+        if dt is not None and _other_dtype(args, kwargs.values(), dt):
             raise RuntimeError(
                 f"train_step: {getattr(func, '__name__', func)} met parameter {path!r}, cast "
                 f"to Policy(param_dtype={dt}), and a tensor of another dtype ({e}). Call the "
@@ -186,9 +184,39 @@ def _first_use(func, args: tuple, kwargs: dict):
         raise
 
 
-# what torch says when an op's tensors disagree in dtype (matmul, linear, conv, embedding)
-_DTYPE_CLASH = ("must have the same dtype", "should be the same", "expected scalar type",
-                "to have the same dtype")
+def gather_first(run, lazies: list, gis: list, checked: bool = True) -> None:
+    """Gather and bind groups ``gis`` for a first use of ``lazies`` (the stand-ins met), once
+    the use is one the step can follow (``checked``: refused by name where not)."""
+    grad = _refuse_unsupported(run, lazies) if checked else False
+    with recompute.own_ops(grad):
+        run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
+
+
+# the in-place forms of Python's operators (an in-place torch method's name ends in "_")
+_IN_PLACE = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+    "lshift", "rshift")) | {"__setitem__"}
+
+
+def _writes_into(func, args: tuple, kwargs: dict, lazies: list) -> bool:
+    """Whether ``func`` writes into one of ``lazies``: in place (its first argument), or as
+    its ``out=``."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")
+                and name != "requires_grad_") or name in _IN_PLACE
+    out = kwargs.get("out")
+    return any((in_place and args and args[0] is x) or out is x for x in lazies)
+
+
+def _other_dtype(args, more, dt: torch.dtype) -> bool:
+    """Whether a floating-point tensor among the op's arguments is not of dtype ``dt``."""
+    for x in (*args, *more):
+        if isinstance(x, (list, tuple)):
+            if _other_dtype(x, (), dt):
+                return True
+        elif isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dt:
+            return True
+    return False
 
 
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):

@@ -60,6 +60,7 @@ class Run:
         self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
         self.reinstalled = ""  # a module fs.call installed twice with other tensors
         self.reinstalled_ids: set[int] = set()  # the tensors of its installations
+        self.inside: dict[int, int] = {}  # groups whose module's forward runs: its depth
 
     def bound_group(self, x) -> int | None:
         """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
@@ -95,8 +96,8 @@ class Run:
             stale = [g for g in self.active if g not in gis]
             self.active = list(dict.fromkeys(gis))
             if self.backward or self.policy.reshard_after_forward:
-                for g in stale:
-                    if self.backward or g != self.kept:
+                for g in stale:  # a group whose module runs stays (call.leave_module frees it)
+                    if self.backward or (g != self.kept and g not in self.inside):
                         self.groups[g].free()
         else:
             self.active.extend(g for g in gis if g not in self.active)

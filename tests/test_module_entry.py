@@ -1,0 +1,156 @@
+"""Groups entered at their module ([Note: groups entered at their module] in
+funshard.step.call): inside fs.call a group module's forward starts with its group gathered,
+so a custom autograd Function that is the first to touch a parameter there receives a plain
+gathered tensor and trains as one process; a Liger-style fused linear cross-entropy over
+``lm_head.weight`` trains likewise; FULL_SHARD frees the group as its module returns."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funshard as fs
+from funshard.testing import assert_parity, mesh
+from funshard.testing.models import MatMulT
+
+
+class FunctionBlock(nn.Module):
+    """A block whose first op on its weight is a custom Function (as a quantized linear)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+        self.b = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return x + torch.tanh(MatMulT.apply(x, self.w) + self.b)
+
+
+class FunctionNet(nn.Module):
+    def __init__(self, dim: int = 6, blocks: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(FunctionBlock(dim) for _ in range(blocks))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _batches(rows=8, steps=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 4, generator=g), torch.randn(rows, 3, generator=g))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_custom_function_first_in_a_group_module_trains_as_one_process(pools, raf):
+    assert fs.list_groups(fs.params(FunctionNet()))[1].name == "blocks.0"
+    assert_parity(pools, FunctionNet(), functools.partial(fs.optim.adamw, lr=1e-2),
+                  _batches(), criterion=F.mse_loss, meshes=[2, "2x2"],
+                  policy=fs.Policy(reshard_after_forward=raf))
+
+
+class FusedLinearCE(torch.autograd.Function):
+    """Liger's fused linear cross-entropy in miniature: the logits are computed chunk by
+    chunk in forward, with the gradients of the hidden states and of the head's weight,
+    which backward only scales; the logits are never kept."""
+
+    @staticmethod
+    def forward(ctx, h, w, target, chunk: int = 5):
+        gh, gw = torch.zeros_like(h), torch.zeros_like(w)
+        loss = h.new_zeros(())
+        n = h.shape[0]
+        for s in range(0, n, chunk):
+            logits = h[s:s + chunk] @ w.t()
+            p = logits.softmax(-1)
+            t = target[s:s + chunk]
+            loss = loss - p.log().gather(1, t[:, None]).sum()
+            p[torch.arange(len(t)), t] -= 1
+            gh[s:s + chunk] = p @ w
+            gw += p.t() @ h[s:s + chunk]
+        ctx.save_for_backward(gh / n, gw / n)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gw = ctx.saved_tensors
+        return g * gh, g * gw, None, None
+
+
+class FusedHead(nn.Module):
+    """A Hugging Face Llama whose head runs through :class:`FusedLinearCE` on
+    ``lm_head.weight``, as Liger patches the model's forward."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=36,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          max_position_embeddings=32, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        self.llama = LlamaForCausalLM(cfg)
+
+    def forward(self, ids):
+        h = self.llama.model(input_ids=ids).last_hidden_state[:, :-1]
+        return FusedLinearCE.apply(h.reshape(-1, h.shape[-1]), self.llama.lm_head.weight,
+                                   ids[:, 1:].reshape(-1))
+
+
+def _model_loss(out, _target):
+    return out
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_fused_linear_cross_entropy_over_lm_head_trains_as_one_process(pools, raf):
+    g = torch.Generator().manual_seed(2)
+    batches = [(ids, ids) for ids in (torch.randint(0, 64, (4, 8), generator=g)
+                                      for _ in range(3))]
+    assert_parity(pools, FusedHead(), functools.partial(fs.optim.adamw, lr=1e-2), batches,
+                  criterion=_model_loss, meshes=[2, "2x2"],
+                  policy=fs.Policy(reshard_after_forward=raf))
+
+
+class Recording(FunctionBlock):
+    """A block that records, at its forward's first line, its weight's type and the type
+    of the block before's."""
+
+    def __init__(self, dim, before, seen):
+        super().__init__(dim)
+        self.before, self.seen = before, seen  # plain attributes: not submodules
+
+    def forward(self, x):
+        prev = None if self.before is None else type(self.before[0].w).__name__
+        self.seen.append((type(self.w).__name__, prev))
+        return super().forward(x)
+
+
+def seen_in_blocks(spec, raf):
+    m = mesh(spec)
+    model, seen = FunctionNet(), []
+    blocks = [Recording(6, None, seen)]
+    for _ in range(2):
+        blocks.append(Recording(6, [blocks[-1]], seen))
+    model.blocks = nn.ModuleList(blocks)
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    for x, y in _batches(rows=4, steps=2):
+        state, _ = step(state, (x, y))
+    return seen[-3:], [type(b.forward).__name__ for b in model.blocks]
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_a_group_module_starts_gathered_and_frees_on_return(pools, raf):
+    for seen, left in pools.run(2, seen_in_blocks, raf):
+        # each block's forward starts with its weight a plain gathered tensor; the block
+        # before is freed as it returned (FULL_SHARD: a stand-in again) or kept
+        assert seen == [("Tensor", None)] + [("Tensor", "LazyParam" if raf else "Tensor")] * 2
+        assert left == ["method"] * 3  # nothing stays on the module after the step
