@@ -9,10 +9,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import funshard as fs
-from funshard.testing import assert_parity, mesh
+from funshard.testing import assert_parity, capture, mesh
 from funshard.testing.models import MatMulT
 
 
@@ -49,12 +50,29 @@ def _batches(rows=8, steps=3):
             for _ in range(steps)]
 
 
+class OwnCheckpoint(FunctionBlock):
+    """The block checkpoints its own forward (non-reentrant), the Function inside."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+def _net(how: str) -> nn.Module:
+    net = FunctionNet()
+    if how == "own_checkpoint":
+        torch.manual_seed(0)
+        net.blocks = nn.ModuleList(OwnCheckpoint(6) for _ in range(3))
+    return net
+
+
+@pytest.mark.parametrize("how", ["plain", "policy_checkpoint", "own_checkpoint"])
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_custom_function_first_in_a_group_module_trains_as_one_process(pools, raf):
+def test_custom_function_first_in_a_group_module_trains_as_one_process(pools, raf, how):
     assert fs.list_groups(fs.params(FunctionNet()))[1].name == "blocks.0"
-    assert_parity(pools, FunctionNet(), functools.partial(fs.optim.adamw, lr=1e-2),
+    assert_parity(pools, _net(how), functools.partial(fs.optim.adamw, lr=1e-2),
                   _batches(), criterion=F.mse_loss, meshes=[2, "2x2"],
-                  policy=fs.Policy(reshard_after_forward=raf))
+                  policy=fs.Policy(reshard_after_forward=raf,
+                                   checkpoint=how == "policy_checkpoint"))
 
 
 class FusedLinearCE(torch.autograd.Function):
@@ -154,3 +172,35 @@ def test_a_group_module_starts_gathered_and_frees_on_return(pools, raf):
         # before is freed as it returned (FULL_SHARD: a stand-in again) or kept
         assert seen == [("Tensor", None)] + [("Tensor", "LazyParam" if raf else "Tensor")] * 2
         assert left == ["method"] * 3  # nothing stays on the module after the step
+
+
+class FunctionInRootRegion(FunctionNet):
+    """The rest group's ``inp.weight`` first touched by a custom Function inside a
+    checkpoint region of the root's forward: no group module is entered around it."""
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(
+            lambda x: MatMulT.apply(x, self.inp.weight) + self.inp.bias, x,
+            use_reentrant=False)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def function_in_root_region(spec):
+    m = mesh(spec)
+    model = FunctionInRootRegion()
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                         fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    x, y = _batches(rows=4, steps=1)[0]
+    t, msg = capture(lambda: step(state, (x, y)))
+    return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+
+
+def test_a_function_first_outside_group_modules_in_a_checkpoint_region_is_refused(pools):
+    """It was trained wrong (the region's hooks hid the Function from the refusal)."""
+    for t, msg, same in pools.run(2, function_in_root_region):
+        assert t == "NotImplementedError" and "custom torch.autograd.Function" in msg, msg
+        assert "'inp.weight'" in msg and same

@@ -243,10 +243,9 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     runs under no_grad)."""
     top = run.saved.foreign_top()
     if top is not None:
-        if recompute.is_checkpoint_hook(top[0]):
-            run.checkpointing = True
-            return False
-        if not run.saved.adopt(top):
+        if recompute.is_checkpoint_hook(top[0]):  # a region's forward: a Function's inside it
+            run.checkpointing = True  # is refused below all the same
+        elif not run.saved.adopt(top):
             raise NotImplementedError(
                 f"train_step: parameter {path_of(lazies[0])!r} was first used under "
                 "saved-tensor hooks other than the step's (this torch has no way to put the "

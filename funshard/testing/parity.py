@@ -13,6 +13,7 @@ tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Sequence
 
@@ -186,8 +187,9 @@ def reference(loss_fn: Callable, params, optimizer, batches: Sequence, policy) -
     for i, batch in enumerate(batches):
         leaves = pytree.leaves(p)
         trainable = [j for j, x in enumerate(leaves) if x.requires_grad]
-        loss = loss_fn(p, batch)
-        got = torch.autograd.grad(loss, [leaves[j] for j in trainable], allow_unused=True)
+        with _kept_in(loss_fn, p):
+            loss = loss_fn(p, batch)
+            got = torch.autograd.grad(loss, [leaves[j] for j in trainable], allow_unused=True)
         grads: list = [None] * len(leaves)
         for j, g in zip(trainable, got):
             grads[j] = torch.zeros_like(leaves[j]) if g is None else g
@@ -198,6 +200,17 @@ def reference(loss_fn: Callable, params, optimizer, batches: Sequence, policy) -
         p, state = optimizer.update(pytree.unflatten(spec, grads), state, p, step=i)
         out.append(_record(loss.item(), p))
     return out
+
+
+def _kept_in(loss_fn: Callable, params):
+    """A model's parameters are ``params`` until backward is done, as ``fs.call`` keeps them
+    in a step: a forward the model checkpoints is recomputed on them, not on its own (which
+    ``torch.func.functional_call`` puts back when the call returns)."""
+    if not isinstance(loss_fn, ModelLoss):
+        return contextlib.nullcontext()
+    from ..step.install import install
+
+    return install(loss_fn.model, pytree.fqn_dict(params))
 
 
 def _difference(ours: tuple, ref: tuple, atol: float, rtol: float) -> str:
