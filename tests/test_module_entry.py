@@ -57,15 +57,38 @@ class OwnCheckpoint(FunctionBlock):
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
 
 
+def _reentrant() -> bool:
+    """Reentrant regions on the ranks; the one-process reference (``torch.autograd.grad``,
+    which reentrant regions refuse) checkpoints without: the same gradients."""
+    return torch.distributed.is_initialized()
+
+
+class CallCheckpointed(FunctionNet):
+    """Each block's call checkpointed from outside, as Hugging Face models do."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=_reentrant())
+        return self.out(h)
+
+
+class ReentrantInside(FunctionBlock):
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=_reentrant())
+
+
 def _net(how: str) -> nn.Module:
-    net = FunctionNet()
-    if how == "own_checkpoint":
+    net = CallCheckpointed() if how == "call_checkpointed" else FunctionNet()
+    if how in ("own_checkpoint", "reentrant_inside"):
         torch.manual_seed(0)
-        net.blocks = nn.ModuleList(OwnCheckpoint(6) for _ in range(3))
+        kind = OwnCheckpoint if how == "own_checkpoint" else ReentrantInside
+        net.blocks = nn.ModuleList(kind(6) for _ in range(3))
     return net
 
 
-@pytest.mark.parametrize("how", ["plain", "policy_checkpoint", "own_checkpoint"])
+@pytest.mark.parametrize("how", ["plain", "policy_checkpoint", "own_checkpoint",
+                                 "call_checkpointed"])
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
 def test_custom_function_first_in_a_group_module_trains_as_one_process(pools, raf, how):
     assert fs.list_groups(fs.params(FunctionNet()))[1].name == "blocks.0"
@@ -204,3 +227,24 @@ def test_a_function_first_outside_group_modules_in_a_checkpoint_region_is_refuse
     for t, msg, same in pools.run(2, function_in_root_region):
         assert t == "NotImplementedError" and "custom torch.autograd.Function" in msg, msg
         assert "'inp.weight'" in msg and same
+
+
+def reentrant_inside(spec):
+    """A block checkpoints its own forward with a reentrant region: backward recomputes it
+    without passing the module's call, and the Function there would take the stand-in."""
+    m = mesh(spec)
+    model = _net("reentrant_inside")
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                         fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    before = {k: v.to_local().clone() for k, v in state.params.items()}
+    x, y = _batches(rows=4, steps=1)[0]
+    t, msg = capture(lambda: step(state, (x, y)))
+    return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
+
+
+def test_a_function_in_a_reentrant_region_inside_its_module_is_refused(pools):
+    """It was trained wrong: the recompute gave the Function the stand-in."""
+    for t, msg, same in pools.run(2, reentrant_inside):
+        assert t == "NotImplementedError" and "use_reentrant=True) region inside" in msg, msg
+        assert "'blocks.2.w'" in msg and same

@@ -159,24 +159,30 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
 # group '', loss_fn's own use) is gathered by its stand-in's first op, as before
 # ([Note: binding] in .lazy); a Function over such a parameter (a fused linear
 # cross-entropy over ``lm_head.weight``) receives a plain tensor once an op has used its
-# group (the final norm before the head). In backward the replaced forward only passes the
-# call on: a recompute gathers through the stand-ins ([Note: recomputation]).
+# group (the final norm before the head). In backward the replaced forward runs only when
+# a checkpoint region around the module's call recomputes it: the module then computes with
+# the group's gathered leaves, installed for the call (:func:`recomputed`), those the
+# recompute owns ([Note: recomputation]); a region opened inside the module's own forward
+# recomputes past the replaced forward, on the stand-ins.
 
 
 class _Entered:
-    """A group module's forward for one run: the group gathered on entry, freed on return."""
+    """A group module's forward for one run: the group gathered on entry, freed on return;
+    in backward (a recompute), the module computes with the group's gathered leaves."""
 
-    __slots__ = ("run", "gi", "forward")
+    __slots__ = ("run", "gi", "forward", "module", "leaves")
 
-    def __init__(self, run: Run, gi: int, forward):
+    def __init__(self, run: Run, gi: int, forward, module: torch.nn.Module, leaves: list):
         self.run, self.gi, self.forward = run, gi, forward
+        self.module, self.leaves = module, leaves  # leaves: (name in module, leaf of group)
 
     # under a compiled loss_fn: this frame runs eagerly, the module's forward is compiled
     @functools.partial(torch.compiler.disable, recursive=False)
     def __call__(self, *args, **kwargs):
         run = self.run
         if run.backward:
-            return self.forward(*args, **kwargs)
+            with install(self.module, recomputed(run, self.gi, self.leaves)):
+                return self.forward(*args, **kwargs)
         enter_module(run, self.gi)
         try:
             return self.forward(*args, **kwargs)
@@ -199,6 +205,17 @@ def enter_module(run, gi: int) -> None:
 
 
 @lazy.eager
+def recomputed(run, gi: int, leaves: list) -> dict:
+    """The gathered leaves a recompute of group ``gi``'s module computes with, by name: those
+    its first pass computed with (:meth:`Run.recompute_leaf`), so that a custom Function in
+    it receives them too, not the stand-ins (autograd would take a stand-in for a leaf of
+    its own, whose gradient would bypass the step)."""
+    with recompute.own_ops(False), torch.no_grad():
+        run.use([gi], new_op=False)
+        return {name: run.recompute_leaf(gi, k) for name, k in leaves}
+
+
+@lazy.eager
 def leave_module(run, gi: int) -> None:
     """Group ``gi``'s module returns: FULL_SHARD frees the group, but the one backward
     starts with (:attr:`Schedule.kept`)."""
@@ -215,13 +232,13 @@ def _enter_groups(run: Run, module: torch.nn.Module, merged: dict,
     """Each group module of ``module`` whose parameters are this run's stand-ins is entered
     with its group gathered (see [Note: groups entered at their module])."""
     names, of = run.params.names, run.stand_group
-    found: dict[int, None] = {}
+    found: dict[int, list] = {}
     for path, t in merged.items():
-        gi = of.get(id(t))
-        if gi is not None and gi not in found and names[gi] and path.startswith(names[gi]) \
+        gi, k = of.get(id(t), (None, None))
+        if gi is not None and names[gi] and path.startswith(names[gi]) \
                 and path[len(names[gi]):len(names[gi]) + 1] == ".":
-            found[gi] = None
-    for gi in found:
+            found.setdefault(gi, []).append((path[len(names[gi]) + 1:], k))
+    for gi, leaves in found.items():
         try:
             sub = module.get_submodule(names[gi])
         except AttributeError:
@@ -229,7 +246,7 @@ def _enter_groups(run: Run, module: torch.nn.Module, merged: dict,
         if isinstance(sub.forward, _Entered):  # an earlier fs.call in this run replaced it
             continue
         before = vars(sub).get("forward", _NONE)
-        sub.forward = _Entered(run, gi, sub.forward)
+        sub.forward = _Entered(run, gi, sub.forward, sub, leaves)
         stack.callback(_restore, sub, before)
 
 

@@ -121,8 +121,7 @@ class LazyParam(torch.Tensor):
 def eager(fn):
     """``fn`` runs eagerly under torch.compile: a compiled loss_fn breaks its graph here (the
     group's gather and binding), and compiles the compute between."""
-    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    return torch.compiler.disable(fn)
 
 
 def untraced(fn):
@@ -137,9 +136,7 @@ def untraced(fn):
     return fn
 
 
-# (Under dynamo.disable a rank once crashed later in the same test worker: compiled code
-# kept stand-ins alive past their step, and an op on one gathered on a finished run. A
-# stand-in is inert once its step ends (Group.release), which ended that.)
+# (A stand-in compiled code keeps past its step is inert: see Group.release.)
 @eager
 def _first_use(func, args: tuple, kwargs: dict):
     """An op touches a stand-in: gather and bind its group, then run the op."""
@@ -199,8 +196,7 @@ _IN_PLACE = frozenset(f"__i{op}__" for op in (
 
 
 def _writes_into(func, args: tuple, kwargs: dict, lazies: list) -> bool:
-    """Whether ``func`` writes into one of ``lazies``: in place (its first argument), or as
-    its ``out=``."""
+    """Whether ``func`` writes into one of ``lazies``: in place (its first argument), or out=."""
     name = getattr(func, "__name__", "")
     in_place = (name.endswith("_") and not name.endswith("__")
                 and name != "requires_grad_") or name in _IN_PLACE
@@ -210,18 +206,21 @@ def _writes_into(func, args: tuple, kwargs: dict, lazies: list) -> bool:
 
 def _other_dtype(args, more, dt: torch.dtype) -> bool:
     """Whether a floating-point tensor among the op's arguments is not of dtype ``dt``."""
-    for x in (*args, *more):
-        if isinstance(x, (list, tuple)):
-            if _other_dtype(x, (), dt):
-                return True
-        elif isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dt:
-            return True
-    return False
+    flat = [y for x in (*args, *more) for y in (x if isinstance(x, (list, tuple)) else (x,))]
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dt
+               for x in flat)
 
 
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
     """An op of a forward that backward recomputes touches stand-ins: it gets the gathered
-    leaves, which the recompute then owns (:meth:`Run.recompute_leaf`)."""
+    leaves, which the recompute then owns (:meth:`Run.recompute_leaf`). A reentrant region's
+    recompute builds the graph backward goes through: a custom Function there that is the
+    first to touch a trainable stand-in took it as an autograd leaf of its own (refused)."""
+    if (not torch.is_grad_enabled() and any(x.requires_grad for x in lazies)
+            and recompute.in_reentrant_recompute() and recompute.in_function_forward()):
+        raise function_first(path_of(lazies[0]), " recomputed by a "
+                             "torch.utils.checkpoint(use_reentrant=True) region inside its "
+                             "module (use use_reentrant=False, or checkpoint the module's call)")
     with recompute.own_ops(False), torch.no_grad():  # the step's own work is not recomputed
         run.use([x._gi for x in lazies], new_op=True)
         args = _substitute(run, args, recompute=True)
@@ -260,11 +259,16 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
         return True
     if not recompute.in_function_forward():  # the user's own no_grad: this op takes no grad
         return True
-    raise NotImplementedError(
-        f"train_step: parameter {path_of(lazies[0])!r} was first used under a custom "
-        "torch.autograd.Function's forward, where the step cannot follow it: the Function "
+    raise function_first(path_of(lazies[0]))
+
+
+def function_first(path: str, where: str = "") -> NotImplementedError:
+    return NotImplementedError(
+        f"train_step: parameter {path!r} was first used under a custom "
+        f"torch.autograd.Function's forward{where}, where the step cannot follow it: the Function "
         "would take the parameter past the step's gradient reduction. Use the parameter "
-        "through a plain torch op first (a Function then receives a plain tensor), or "
+        "through a plain torch op first (a Function then receives a plain tensor), call its "
+        "module through fs.call (its group is gathered as the module is entered), or "
         "p.detach() to use it without its gradient."
     )
 
@@ -321,7 +325,7 @@ def stand_ins(run, params, shards: list[torch.Tensor], *,
     out = [LazyParam(run, params.group_of[i], params.pos[i], lay.shape, params.dtypes[i],
                      shards[i].device, requires_grad and params.trainable[i])
            for i, lay in enumerate(params.layouts)]
-    run.stand_group = {id(x): params.group_of[i] for i, x in enumerate(out)}
+    run.stand_group = {id(x): (params.group_of[i], params.pos[i]) for i, x in enumerate(out)}
     for g in run.groups:
         g.stands = [out[i] for i in g.idx]
         g.lazies = [None] * len(g.idx)

@@ -46,6 +46,7 @@ import torch.utils.checkpoint as _ckpt
 # dispatch modes
 _REENTRANT_FORWARD = getattr(getattr(getattr(_ckpt, "CheckpointFunction", None), "forward",
                                      None), "__code__", None)
+_REENTRANT_NODE = getattr(getattr(_ckpt, "CheckpointFunction", None), "_backward_cls", None)
 _SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
 _dispatch_stack = getattr(_dispatch, "_get_current_dispatch_mode_stack", list)
 
@@ -71,6 +72,13 @@ def _on_stack(code) -> bool:
 def in_reentrant_forward() -> bool:
     """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward."""
     return _on_stack(_REENTRANT_FORWARD)
+
+
+def in_reentrant_recompute() -> bool:
+    """True in backward while a reentrant region's forward is recomputed (the node running
+    is ``CheckpointFunction``'s backward)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and _REENTRANT_NODE is not None and isinstance(node, _REENTRANT_NODE)
 
 
 def in_function_forward() -> bool:

@@ -52,7 +52,7 @@ class Run:
         self.in_order = {False: True, True: True}  # seen so far == the schedule's order
         self.peak_groups = 0  # most groups gathered or in flight at once
         self.peak_bytes = 0  # their full-size bytes
-        self.stand_group: dict[int, int] = {}  # id of a stand-in object -> its group
+        self.stand_group: dict[int, tuple] = {}  # id of a stand-in -> (group, leaf)
         # activation checkpointing (see [Note: recomputation] in .recompute)
         self.checkpointing = False  # a checkpoint region ran in forward
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
@@ -64,7 +64,8 @@ class Run:
 
     def bound_group(self, x) -> int | None:
         """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
-        return self.stand_group.get(id(x))
+        hit = self.stand_group.get(id(x))
+        return None if hit is None else hit[0]
 
     @property
     def kept(self) -> int | None:
