@@ -2,7 +2,7 @@
 funshard.step.call): inside fs.call a group module's forward starts with its group gathered,
 so a custom autograd Function that is the first to touch a parameter there receives a plain
 gathered tensor and trains as one process; a Liger-style fused linear cross-entropy over
-``lm_head.weight`` trains likewise; FULL_SHARD frees the group as its module returns."""
+``lm_head.weight`` trains likewise; FULL_SHARD frees the group as the next one is gathered."""
 
 import functools
 
@@ -189,10 +189,10 @@ def seen_in_blocks(spec, raf):
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_a_group_module_starts_gathered_and_frees_on_return(pools, raf):
+def test_a_group_module_starts_gathered_and_is_freed_by_the_next(pools, raf):
     for seen, left in pools.run(2, seen_in_blocks, raf):
         # each block's forward starts with its weight a plain gathered tensor; the block
-        # before is freed as it returned (FULL_SHARD: a stand-in again) or kept
+        # before is freed as this one is gathered (FULL_SHARD: a stand-in again) or kept
         assert seen == [("Tensor", None)] + [("Tensor", "LazyParam" if raf else "Tensor")] * 2
         assert left == ["method"] * 3  # nothing stays on the module after the step
 
@@ -248,3 +248,31 @@ def test_a_function_in_a_reentrant_region_inside_its_module_is_refused(pools):
     for t, msg, same in pools.run(2, reentrant_inside):
         assert t == "NotImplementedError" and "use_reentrant=True) region inside" in msg, msg
         assert "'blocks.2.w'" in msg and same
+
+
+def gathers_in_step_two(spec, raf):
+    """All-gathers of step 2 (the order learned) on a stack of blocks and nothing else (the
+    benchmark's shapes A and B in miniature)."""
+    from funshard.testing import CountCollectives
+
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+                            for _ in range(3)])
+    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                         fs.optim.sgd(lr=0.1), policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    batch = (torch.randn(2, 6), torch.randn(2, 6))
+    state, _ = step(state, batch)
+    with CountCollectives() as cc:
+        step(state, batch)
+    return cc.counts.get("all_gather", 0), len(fs.list_groups(fs.params(model)))
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+def test_the_last_block_stays_gathered_into_backward(pools, raf):
+    """The block forward ends with is not freed as its module returns: backward starts with
+    it (FULL_SHARD: 2 gathers per block but that one)."""
+    for gathers, groups in pools.run(2, gathers_in_step_two, raf):
+        assert groups == 3, groups
+        assert gathers == (5 if raf else 3), gathers

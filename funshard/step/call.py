@@ -150,9 +150,16 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
 #
 # Inside ``fs.call`` each group that is a submodule of the module called (``layers.3``, the
 # default groups' blocks) is gathered when its module is entered, before its first op, and
-# stays resident until the module returns (FULL_SHARD then frees it, as FSDP2's module hooks
-# do); the module's forward is replaced for the call only, as Policy(checkpoint=) replaces
-# it, and put back when the micro-batch's backward is done. Every op inside, a custom
+# stays resident until the module returns (FULL_SHARD then frees it as the next group is
+# gathered, or keeps it into backward when it is the last); the module's forward is
+# replaced for the call only, as Policy(checkpoint=) replaces it, and put back when the
+# micro-batch's backward is done. Measured 2026-11-27 (benchmark shapes A, B, C, 2 gloo
+# ranks, two runs each against the step before): the same collectives per step (15, 7, 10
+# all-gathers), the same live-tensor peaks, step times within the runs' spread; freeing
+# each group as its module returned instead cost one more all-gather on A and B (the last
+# block, gathered again for backward), and on B 0.92-0.95x FSDP2's step against 0.84-0.85x
+# (benchmarks/results/2026-11-27-cpu-module-entry.md).
+# Every op inside, a custom
 # autograd Function's included, so receives plain gathered tensors: a Function is called
 # with tensors, not with the torch functions a stand-in sees, so a stand-in it is the first
 # to touch could only be refused. A parameter used outside its group's module (the rest
@@ -167,7 +174,7 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
 
 
 class _Entered:
-    """A group module's forward for one run: the group gathered on entry, freed on return;
+    """A group module's forward for one run: the group gathered on entry, kept till return;
     in backward (a recompute), the module computes with the group's gathered leaves."""
 
     __slots__ = ("run", "gi", "forward", "module", "leaves")
@@ -217,13 +224,13 @@ def recomputed(run, gi: int, leaves: list) -> dict:
 
 @lazy.eager
 def leave_module(run, gi: int) -> None:
-    """Group ``gi``'s module returns: FULL_SHARD frees the group, but the one backward
-    starts with (:attr:`Schedule.kept`)."""
+    """Group ``gi``'s module returns: the group is the latest op's again, freed (FULL_SHARD)
+    when an op gathers another group, kept into backward if none does (the last block)."""
     n = run.inside.pop(gi) - 1
     if n:
         run.inside[gi] = n
-    elif run.policy.reshard_after_forward and gi != run.kept:
-        run.groups[gi].free()
+    elif gi not in run.active:
+        run.active.append(gi)
 
 
 @lazy.eager  # under a compiled loss_fn too: dynamo cannot follow module lookups by path
