@@ -153,24 +153,23 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
 # stays resident until the module returns (FULL_SHARD then frees it as the next group is
 # gathered, or keeps it into backward when it is the last); the module's forward is
 # replaced for the call only, as Policy(checkpoint=) replaces it, and put back when the
-# micro-batch's backward is done. Measured 2026-11-27 (benchmark shapes A, B, C, 2 gloo
-# ranks, two runs each against the step before): the same collectives per step (15, 7, 10
-# all-gathers), the same live-tensor peaks, step times within the runs' spread; freeing
-# each group as its module returned instead cost one more all-gather on A and B (the last
-# block, gathered again for backward), and on B 0.92-0.95x FSDP2's step against 0.84-0.85x
+# micro-batch's backward is done. Every op inside, a custom autograd Function's included,
+# so receives plain gathered tensors: a Function is called with tensors, not with the torch
+# functions a stand-in sees, so a stand-in it is the first to touch could only be refused.
+# A parameter used outside its group's module (the rest group '', loss_fn's own use) is
+# gathered by its stand-in's first op, as before ([Note: binding] in .lazy); a Function
+# over such a parameter (a fused linear cross-entropy over ``lm_head.weight``) receives a
+# plain tensor once an op has used its group (the final norm before the head). In backward
+# the replaced forward runs only when a checkpoint region around the module's call
+# recomputes it: the module then computes with the group's gathered leaves, installed for
+# the call (:func:`recomputed`), those the recompute owns ([Note: recomputation]); a region
+# opened inside the module's own forward recomputes past the replaced forward, on the
+# stand-ins. Measured 2026-11-27 (benchmark shapes A, B, C, 2 gloo ranks, two runs each
+# against the step before): the same collectives per step (15, 7, 10 all-gathers), the same
+# live-tensor peaks, step times within the runs' spread; freeing each group as its module
+# returned instead cost one more all-gather on A and B (the last block, gathered again for
+# backward), and on B 0.92-0.95x FSDP2's step against 0.84-0.85x
 # (benchmarks/results/2026-11-27-cpu-module-entry.md).
-# Every op inside, a custom
-# autograd Function's included, so receives plain gathered tensors: a Function is called
-# with tensors, not with the torch functions a stand-in sees, so a stand-in it is the first
-# to touch could only be refused. A parameter used outside its group's module (the rest
-# group '', loss_fn's own use) is gathered by its stand-in's first op, as before
-# ([Note: binding] in .lazy); a Function over such a parameter (a fused linear
-# cross-entropy over ``lm_head.weight``) receives a plain tensor once an op has used its
-# group (the final norm before the head). In backward the replaced forward runs only when
-# a checkpoint region around the module's call recomputes it: the module then computes with
-# the group's gathered leaves, installed for the call (:func:`recomputed`), those the
-# recompute owns ([Note: recomputation]); a region opened inside the module's own forward
-# recomputes past the replaced forward, on the stand-ins.
 
 
 class _Entered:

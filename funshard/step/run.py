@@ -97,7 +97,7 @@ class Run:
             stale = [g for g in self.active if g not in gis]
             self.active = list(dict.fromkeys(gis))
             if self.backward or self.policy.reshard_after_forward:
-                for g in stale:  # a group whose module runs stays (call.leave_module frees it)
+                for g in stale:  # a group whose module runs stays (call.leave_module hands it back)
                     if self.backward or (g != self.kept and g not in self.inside):
                         self.groups[g].free()
         else:
