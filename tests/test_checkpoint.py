@@ -652,12 +652,14 @@ def export_then_import(spec, path, stock_path):
     return out
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy_format"])
 @pytest.mark.parametrize("spec", [1, 3, "2x2"], ids=str)
-def test_export_for_plain_torch_and_import(pools, tmp_path, spec):
+def test_export_for_plain_torch_and_import(pools, tmp_path, spec, legacy):
+    """A stock file of either torch.save format imports (the zip one memory-mapped)."""
     torch.manual_seed(0)
     model = MLP(dim=5, hidden=7, layers=2, out=3)
     stock = str(tmp_path / "stock.pt")
-    torch.save(model.state_dict(), stock)
+    torch.save(model.state_dict(), stock, _use_new_zipfile_serialization=not legacy)
     path = str(tmp_path / "exported.pt")
     for diffs in pools.run(spec, export_then_import, path, stock):
         assert diffs == [[], []]

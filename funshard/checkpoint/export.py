@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import zipfile
 
 import torch
 from torch import nn
@@ -81,13 +82,10 @@ def import_full(path: str | os.PathLike, like: Tree, *, rank0_only: bool = True,
 
 
 def _torch_load(path: str) -> dict:
-    """``torch.load`` memory-mapped (zip format), else read (legacy format); tensors only."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """``torch.load`` memory-mapped (zip format), else read (legacy format, which torch
+    cannot map); tensors only."""
+    return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path),
+                      weights_only=True)
 
 
 def export_module(module: nn.Module, params: Tree, *, buffers: Tree = None,
