@@ -4,7 +4,8 @@
 torch beyond its public API is looked up here, once, when funshard is imported: each name
 below is either found or recorded as missing, and :func:`require` raises, naming the torch
 version and every missing symbol, when a compiled step is made on a torch without them.
-The eager step needs none of this: importing funshard never fails for it.
+The eager step's own private torch is listed below (:data:`EAGER_MISSING`,
+:func:`require_eager`); importing funshard never fails for either.
 
 - ``torch.distributed._functional_collectives``: the traceable collectives (an all-gather
   whose autograd is a reduce-scatter, an all-reduce, the wait), what the program issues;
@@ -191,3 +192,83 @@ def inductor_patch(options: dict):
     backend puts under the caller's own: :mod:`funshard.step.overlap`); made at compile
     time only."""
     return _inductor_config.patch(options)
+
+
+# -- the eager step's private torch -----------------------------------------------------
+#
+# What the eager step takes from torch beyond its public API, found here once, each name
+# either found or recorded in EAGER_MISSING (train_step refuses to build an eager step on a
+# torch without them, naming the version and the names: :func:`require_eager`):
+#
+# - ``torch._C._swap_tensor_impl``, ``torch.Tensor._use_count``: a stand-in becomes its
+#   gathered tensor and back, unless another holder has it ([Note: binding] in
+#   funshard.step.lazy); ``torch.Tensor._make_wrapper_subclass``, the stand-in itself;
+#   ``torch._C.DisableTorchFunctionSubclass``: its metadata read without its own hook;
+# - ``torch.autograd._unsafe_preserve_version_counter``: a freed group's storages refilled
+#   in place without autograd seeing a write;
+# - ``torch._C._current_autograd_node``: which backward node unpacks a saved tensor;
+# - ``torch._C._autograd``'s saved-tensor default-hook stack (top, push, pop): the step's
+#   hooks put over the caller's ([Note: hooks beneath the step's] in funshard.step.saved);
+# - ``torch.autograd.graph._engine_run_backward``: backward under a torch function mode
+#   that sees a recompute (funshard.step.recompute.RecomputeGuard);
+# - ``torch.utils._python_dispatch``'s mode stack (get, pop, push) and
+#   ``torch._C._len_torch_dispatch_stack``: the step's own ops kept out of selective
+#   checkpointing's cache;
+# - ``torch._dynamo.eval_frame.skip_code``: the saved-tensor hooks never compiled;
+# - ``torch.utils.checkpoint``'s internals the step recognizes: ``CheckpointFunction``
+#   (a reentrant region: its forward's code, its backward node's class) and where a
+#   non-reentrant region saves its inputs (``_CheckpointFrame.save_inputs``, torch 2.13;
+#   ``_NoopSaveInputs``, torch 2.11: either).
+EAGER_MISSING: list[str] = []
+
+
+def _eager(path: str, *names: str):
+    """:func:`_find`, recorded in :data:`EAGER_MISSING`."""
+    before = len(MISSING)
+    found = _find(path, *names)
+    EAGER_MISSING.extend(MISSING[before:])
+    del MISSING[before:]
+    return found
+
+
+_import("torch.utils._python_dispatch")
+_import("torch._dynamo.eval_frame")
+swap_tensor_impl = _eager("torch._C", "_swap_tensor_impl")
+_eager("torch.Tensor", "_use_count")
+_eager("torch.Tensor", "_make_wrapper_subclass")
+DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
+preserve_version_counter = _eager("torch.autograd", "_unsafe_preserve_version_counter")
+current_autograd_node = _eager("torch._C", "_current_autograd_node")
+top_saved_hooks = _eager("torch._C._autograd", "_top_saved_tensors_default_hooks")
+push_saved_hooks = _eager("torch._C._autograd", "_push_saved_tensors_default_hooks")
+pop_saved_hooks = _eager("torch._C._autograd", "_pop_saved_tensors_default_hooks")
+engine_run_backward = _eager("torch.autograd.graph", "_engine_run_backward")
+dispatch_mode_stack = _eager("torch.utils._python_dispatch",
+                             "_get_current_dispatch_mode_stack")
+pop_mode = _eager("torch.utils._python_dispatch", "_pop_mode")
+push_mode = _eager("torch.utils._python_dispatch", "_push_mode")
+dispatch_depth = _eager("torch._C", "_len_torch_dispatch_stack")
+skip_code = _eager("torch._dynamo.eval_frame", "skip_code")
+import torch.utils.checkpoint as _ckpt  # noqa: E402 (public; its internals below are not)
+
+SAVE_INPUTS = getattr(getattr(getattr(_ckpt, "_CheckpointFrame", None), "save_inputs", None),
+                      "__code__", None)
+NOOP_SAVE = getattr(_ckpt, "_NoopSaveInputs", None)
+if SAVE_INPUTS is None and NOOP_SAVE is None:
+    EAGER_MISSING.append("torch.utils.checkpoint._CheckpointFrame.save_inputs|_NoopSaveInputs")
+if reparametrize is None:
+    EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
+REENTRANT = _eager("torch.utils.checkpoint", "CheckpointFunction")
+REENTRANT_FORWARD = getattr(getattr(REENTRANT, "forward", None), "__code__", None)
+REENTRANT_NODE = getattr(REENTRANT, "_backward_cls", None)
+if REENTRANT is not None and (REENTRANT_FORWARD is None or REENTRANT_NODE is None):
+    EAGER_MISSING.append("torch.utils.checkpoint.CheckpointFunction.{forward,_backward_cls}")
+
+
+def require_eager(what: str) -> None:
+    """Raise, naming the torch version and the missing symbols, if any the eager step needs
+    is missing."""
+    if EAGER_MISSING:
+        raise RuntimeError(
+            f"{what} needs torch internals this torch {torch.__version__} lacks: "
+            f"{', '.join(EAGER_MISSING)}. Use a torch the step supports (2.11 or newer).")

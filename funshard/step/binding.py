@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from .. import _compat
 from .lazy import LazyParam, in_place_error
 
 
@@ -26,7 +27,7 @@ def lazy_swap(a: torch.Tensor, b: torch.Tensor, held_ok: bool = False) -> bool:
             not held_ok and (a._use_count() != 1 or b._use_count() != 1)):
         return False
     try:
-        torch._C._swap_tensor_impl(a, b)
+        _compat.swap_tensor_impl(a, b)
     except RuntimeError:  # a C++ weak reference (torch.profiler's record_shapes holds one to
         return False  # each op's inputs), which no Python API counts: refused before any change
     swap_identity(a, b)
@@ -116,7 +117,7 @@ class Binding:
         t = self.fulls[k]
         if type(t) is not LazyParam:
             return t
-        with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
+        with torch.enable_grad(), _compat.DisableTorchFunctionSubclass():
             return t.view_as(t)
 
     def unbind_all(self, held_ok: bool = False) -> bool:

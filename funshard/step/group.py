@@ -48,7 +48,7 @@ import enum
 
 import torch
 
-from .. import collectives
+from .. import _compat, collectives
 from .binding import Binding
 from .lazy import LazyParam
 from .params import ParamGroups
@@ -195,7 +195,7 @@ class Group(Binding):
             outs.append(b)
         # Autograd saved these tensors; refilling them is not a mutation it must see: their
         # version counters are put back once the gather is done (see _refilled).
-        self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(outs))
+        self.versions = _compat.preserve_version_counter(tuple(outs))
         return outs
 
     def _refilled(self) -> None:

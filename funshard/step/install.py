@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module  # private; in every supported torch
+from .. import _compat
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
@@ -94,7 +94,7 @@ def install(module: torch.nn.Module, tensors: dict):
     # checks would break its graph; the compiled code does not run them again anyway)
     plan = None if _compiling() else plan_for(module, tuple(tensors))
     if plan is None or not plan.ok:
-        return _reparametrize_module(module, tensors, tie_weights=True)
+        return _compat.reparametrize(module, tensors, tie_weights=True)
     return _Installed(plan, tensors)
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _compat
 from . import recompute
 
 _METADATA = {
@@ -99,7 +100,7 @@ class LazyParam(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with _compat.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         return _first_use(func, args, kwargs)
 
@@ -129,10 +130,8 @@ def untraced(fn):
     step's saved-tensor hooks, which autograd calls between a compiled loss_fn's graphs and
     which dynamo would otherwise try to compile, warning where it cannot follow them
     (``sys._getframe``)."""
-    skip = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "skip_code",
-                   None)
-    if skip is not None:
-        skip(fn.__code__)
+    if _compat.skip_code is not None:
+        _compat.skip_code(fn.__code__)
     return fn
 
 

@@ -38,17 +38,15 @@ import contextlib
 import sys
 
 import torch
-import torch.utils._python_dispatch as _dispatch
-import torch.utils.checkpoint as _ckpt
+
+from .. import _compat
 
 # torch.utils.checkpoint's pieces the step recognizes (private; feature-detected): the
 # non-reentrant region's hooks, the reentrant region's forward, selective checkpointing's
 # dispatch modes
-_REENTRANT_FORWARD = getattr(getattr(getattr(_ckpt, "CheckpointFunction", None), "forward",
-                                     None), "__code__", None)
-_REENTRANT_NODE = getattr(getattr(_ckpt, "CheckpointFunction", None), "_backward_cls", None)
+_REENTRANT_FORWARD, _REENTRANT_NODE = _compat.REENTRANT_FORWARD, _compat.REENTRANT_NODE
 _SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
-_dispatch_stack = getattr(_dispatch, "_get_current_dispatch_mode_stack", list)
+_dispatch_stack = _compat.dispatch_mode_stack or list
 
 
 def is_checkpoint_hook(pack) -> bool:
@@ -77,7 +75,7 @@ def in_reentrant_forward() -> bool:
 def in_reentrant_recompute() -> bool:
     """True in backward while a reentrant region's forward is recomputed (the node running
     is ``CheckpointFunction``'s backward)."""
-    node = torch._C._current_autograd_node()
+    node = _compat.current_autograd_node()
     return node is not None and _REENTRANT_NODE is not None and isinstance(node, _REENTRANT_NODE)
 
 
@@ -98,7 +96,7 @@ def own_ops(grad: bool):
 
 
 _NOTHING = contextlib.nullcontext()
-_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_dispatch_depth = _compat.dispatch_depth or (lambda: 1)
 
 
 @contextlib.contextmanager
@@ -117,17 +115,17 @@ def _without_sac():
     collective counter, still see the step's work)."""
     modes = _dispatch_stack()
     low = min(i for i, m in enumerate(modes) if type(m).__name__ in _SAC_MODES)
-    popped = [_dispatch._pop_mode() for _ in range(len(modes) - low)]  # top first
+    popped = [_compat.pop_mode() for _ in range(len(modes) - low)]  # top first
     kept = [m for m in reversed(popped) if type(m).__name__ not in _SAC_MODES]
     for m in kept:
-        _dispatch._push_mode(m)
+        _compat.push_mode(m)
     try:
         yield
     finally:
         for _ in kept:
-            _dispatch._pop_mode()
+            _compat.pop_mode()
         for m in reversed(popped):
-            _dispatch._push_mode(m)
+            _compat.push_mode(m)
 
 
 def checkpointed(run) -> bool:
@@ -142,7 +140,7 @@ def checkpointed(run) -> bool:
 
 # the autograd engine's entry (private; in every supported torch): a torch function mode
 # sees loss.backward() itself, and is off inside its own handler
-_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_run_backward = _compat.engine_run_backward
 
 
 def backward(run, loss: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import contextvars
 
 import torch
 
-from .. import collectives
+from .. import _compat, collectives
 from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
@@ -192,7 +192,7 @@ class Run:
         checkpointing): the group's gathered tensor, which the group then lets go of, so
         that the recompute's saved tensors own its storage and no free resizes it under
         them. One tensor per leaf per recomputing node."""
-        node = torch._C._current_autograd_node()
+        node = _compat.current_autograd_node()
         if self.recompute[0] is not node:
             self.recompute = (node, {})
         got = self.recompute[1]

@@ -14,25 +14,19 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.utils.checkpoint as _ckpt
 
+from .. import _compat
 from . import lazy
 from .group import S
 from .lazy import LazyParam, untraced
 
 # Where non-reentrant torch.utils.checkpoint saves a region's inputs, through the saved-tensor
 # hooks on top (the step's) just before it pushes its own: torch 2.13 in
-# _CheckpointFrame.save_inputs, torch 2.11 in _NoopSaveInputs.apply (feature-detected).
-_SAVE_INPUTS = getattr(getattr(getattr(_ckpt, "_CheckpointFrame", None), "save_inputs", None),
-                       "__code__", None)
-_NOOP_SAVE = getattr(_ckpt, "_NoopSaveInputs", None)
+# _CheckpointFrame.save_inputs, torch 2.11 in _NoopSaveInputs.apply; use_reentrant=True's
+# Function; torch's stack of saved-tensor hooks (all private: funshard._compat)
+_SAVE_INPUTS, _NOOP_SAVE, _REENTRANT = _compat.SAVE_INPUTS, _compat.NOOP_SAVE, _compat.REENTRANT
 _APPLY = torch.autograd.Function.apply.__func__.__code__
-_REENTRANT = getattr(_ckpt, "CheckpointFunction", None)  # use_reentrant=True's Function
-# torch's stack of saved-tensor hooks (private; present in every supported torch)
-_A = torch._C._autograd
-_TOP = getattr(_A, "_top_saved_tensors_default_hooks", None)
-_PUSH = getattr(_A, "_push_saved_tensors_default_hooks", None)
-_POP = getattr(_A, "_pop_saved_tensors_default_hooks", None)
+_TOP, _PUSH, _POP = _compat.top_saved_hooks, _compat.push_saved_hooks, _compat.pop_saved_hooks
 
 # [Note: hooks beneath the step's]
 #
@@ -166,7 +160,7 @@ class SavedParams:
         waiting = self.prefetch_when_done is not None and run.backward
         if not waiting and not isinstance(packed, tuple):
             return packed  # the common case: an activation, nothing to do
-        node = torch._C._current_autograd_node()
+        node = _compat.current_autograd_node()
         if waiting and node is not self.prefetch_when_done[0]:  # the consuming node finished
             g, self.prefetch_when_done = self.prefetch_when_done[1], None
             run.prefetch_after(g)
