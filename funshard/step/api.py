@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import collectives, pytree
+from .. import _compat, collectives, pytree
 from ..optim.with_policy import with_policy
 from . import agree, batches, call, deferred, donation, lazy, recompute, scaling, update
 from . import buffers as buffers_
@@ -282,6 +282,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
                       "gradients below 6e-8 round to zero in float16, silently; pass "
                       "loss_scale='dynamic' (torch's GradScaler's rule)", stacklevel=2)
 
+    _compat.require_eager("train_step")  # its first step is eager even when compiled
     compiled = None
     if compile is not False:
         from .compiled import Compiled  # torch.compile's machinery only when asked for

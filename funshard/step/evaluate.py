@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import collectives, pytree
+from .. import _compat, collectives, pytree
 from . import buffers as buffers_
 from . import lazy
 from .api import TrainState
@@ -64,6 +64,7 @@ def eval_step(fn: Callable, *, policy: Policy = Policy(), compile: Any = False) 
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"eval_step: policy must be an fs.Policy, got {type(policy).__name__}")
+    _compat.require_eager("eval_step")
     cache: dict[Any, ParamGroups] = {}
     compiled = None
     if compile is not False:
