@@ -218,7 +218,10 @@ def inductor_patch(options: dict):
 # - ``torch.utils.checkpoint``'s internals the step recognizes: ``CheckpointFunction``
 #   (a reentrant region: its forward's code, its backward node's class) and where a
 #   non-reentrant region saves its inputs (``_CheckpointFrame.save_inputs``, torch 2.13;
-#   ``_NoopSaveInputs``, torch 2.11: either).
+#   ``_NoopSaveInputs``, torch 2.11: either);
+# - and for shard / unshard: ``torch._C._functorch``'s wrapped-tensor check and transform
+#   stack (a shard under torch.func), ``torch.distributed.tensor._utils``'s
+#   ``compute_global_tensor_info`` (a DTensor's global shape from its local one).
 EAGER_MISSING: list[str] = []
 
 
@@ -258,6 +261,11 @@ if SAVE_INPUTS is None and NOOP_SAVE is None:
     EAGER_MISSING.append("torch.utils.checkpoint._CheckpointFrame.save_inputs|_NoopSaveInputs")
 if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
+functorch_wrapped = _eager("torch._C._functorch", "is_functorch_wrapped_tensor")
+peek_interpreter_stack = _eager("torch._C._functorch", "peek_interpreter_stack")
+_import("torch.distributed.tensor._utils")
+compute_global_tensor_info = _eager("torch.distributed.tensor._utils",
+                                    "compute_global_tensor_info")
 REENTRANT = _eager("torch.utils.checkpoint", "CheckpointFunction")
 REENTRANT_FORWARD = getattr(getattr(REENTRANT, "forward", None), "__code__", None)
 REENTRANT_NODE = getattr(REENTRANT, "_backward_cls", None)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from . import pytree
+from . import _compat, pytree
 from .mesh import SHARD, mesh_str, shard_dim
 
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
@@ -173,13 +173,13 @@ def as_dtensor(local: torch.Tensor, like: DTensor, *, requires_grad: bool = Fals
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
     """``t`` is a torch.func transform's wrapper (of a shard, here)."""
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    check = _compat.functorch_wrapped
     return bool(check is not None and check(t))
 
 
 def transforms_active() -> bool:
     """A torch.func transform (vmap, grad, jvp, ...) is running around this call."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    peek = _compat.peek_interpreter_stack
     return peek is not None and peek() is not None
 
 

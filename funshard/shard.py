@@ -14,9 +14,8 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_global_tensor_info
 
-from . import collectives, pytree
+from . import _compat, collectives, pytree
 from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
                      placements_for, transforms_active)
 from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
@@ -101,7 +100,7 @@ def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,
     shard instead: torch 2.11's gradient accumulation re-creates a gradient whose stride
     differs from its leaf's, as Replicate(), so the leaf's gradient would lose Shard(0)."""
     if not math.prod(shape):
-        return tuple(compute_global_tensor_info(local, mesh, placements)[1])
+        return tuple(_compat.compute_global_tensor_info(local, mesh, placements)[1])
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
