@@ -187,6 +187,38 @@ def test_one_device_as_a_user_runs_it(pools, policy):
     assert counts == {} or (counts is None and policy.startswith("compile")), counts
 
 
+def function_module_on_device(spec, raf):
+    """A custom autograd Function first to touch its block's weight, the block entered
+    through fs.call (its group gathered on entry), against one process on the lane's
+    device: two AdamW steps; a world of one runs its collectives."""
+    from test_module_entry import FunctionNet
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    with forced(world):
+        model = FunctionNet().to(dev)
+        ref = copy.deepcopy(model)
+        step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
+                             fs.optim.adamw(1e-2), policy=fs.Policy(reshard_after_forward=raf))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = (torch.randn(world * 2, n, generator=g).to(dev) for n in (4, 3))
+            state, _ = step(state, (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+            opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            opt.step()
+        full = fs.unshard(state.params)
+        return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_a_custom_function_in_a_group_module_on_device(pools, spec, raf):
+    for err in pools.run(spec, function_module_on_device, raf):
+        assert err < TOL, err
+
+
 def overlap_on_device(spec):
     """The compiled step's program (inductor) on the lane's device, a world of one with
     every collective forced: per collective, the compute kernels between its issue and its
