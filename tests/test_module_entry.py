@@ -210,9 +210,11 @@ class FunctionInRootRegion(FunctionNet):
         return self.out(h)
 
 
-def function_in_root_region(spec):
+def refused(spec, how):
+    """One step of ``_net(how)``, or of :class:`FunctionInRootRegion`: what it raised, and
+    whether the parameters are unchanged."""
     m = mesh(spec)
-    model = FunctionInRootRegion()
+    model = FunctionInRootRegion() if how == "function_in_root_region" else _net(how)
     step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
                          fs.optim.sgd(lr=0.1))
     state = step.init(fs.shard(fs.params(model), m))
@@ -224,28 +226,16 @@ def function_in_root_region(spec):
 
 def test_a_function_first_outside_group_modules_in_a_checkpoint_region_is_refused(pools):
     """It was trained wrong (the region's hooks hid the Function from the refusal)."""
-    for t, msg, same in pools.run(2, function_in_root_region):
+    for t, msg, same in pools.run(2, refused, "function_in_root_region"):
         assert t == "NotImplementedError" and "custom torch.autograd.Function" in msg, msg
         assert "'inp.weight'" in msg and same
 
 
-def reentrant_inside(spec):
-    """A block checkpoints its own forward with a reentrant region: backward recomputes it
-    without passing the module's call, and the Function there would take the stand-in."""
-    m = mesh(spec)
-    model = _net("reentrant_inside")
-    step = fs.train_step(lambda p, b: F.mse_loss(fs.call(model, p, b[0]), b[1]),
-                         fs.optim.sgd(lr=0.1))
-    state = step.init(fs.shard(fs.params(model), m))
-    before = {k: v.to_local().clone() for k, v in state.params.items()}
-    x, y = _batches(rows=4, steps=1)[0]
-    t, msg = capture(lambda: step(state, (x, y)))
-    return t, msg, all(torch.equal(before[k], v.to_local()) for k, v in state.params.items())
-
-
 def test_a_function_in_a_reentrant_region_inside_its_module_is_refused(pools):
-    """It was trained wrong: the recompute gave the Function the stand-in."""
-    for t, msg, same in pools.run(2, reentrant_inside):
+    """It was trained wrong: a block checkpoints its own forward with a reentrant region,
+    backward recomputes it without passing the module's call, and the Function there took
+    the stand-in."""
+    for t, msg, same in pools.run(2, refused, "reentrant_inside"):
         assert t == "NotImplementedError" and "use_reentrant=True) region inside" in msg, msg
         assert "'blocks.2.w'" in msg and same
 
