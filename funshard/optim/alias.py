@@ -77,4 +77,4 @@ def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: 
     """
     return chain(scale_by_adam(*betas, eps, fused=fused), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(lr))._replace(
-        traced=Traced("adam", lr, (*betas, eps), weight_decay, True, mask))
+        traced=Traced("adam", lr, (*betas, eps), weight_decay, True, mask, fused=fused))

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, locals_of,
-                   lr_at, unflatten)
+from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, chunks, flatten,
+                   locals_of, lr_at, unflatten)
 
 
 class Traced(NamedTuple):
@@ -45,6 +45,7 @@ class Traced(NamedTuple):
     decoupled: bool  # AdamW's decay, after the direction; else an L2 penalty on the gradient
     mask: Any = None  # where the decay applies (as add_decayed_weights' mask); None: everywhere
     clip: Optional[float] = None  # the global norm clip in front (Policy(clip_norm=))
+    fused: bool = False  # Adam's fused kernel (the eager step's update is the chain's then)
 
 
 class Prepared(NamedTuple):
@@ -223,6 +224,116 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
 
 
 UPDATES = {"adam": adam_update, "sgd": sgd_update}
+
+
+# [Note: an update gated on the device] The eager step that reads nothing on the host runs the
+# chains' own foreach ops, in place, a chunk of leaves at a time ([Note: lean updates] in
+# :mod:`.base`), with the host's Python scalars (the step's rows: one case, the verdict of
+# the step before read) and two device values: the clip factor, and ``ok``, whether the step
+# applies. Where it applies, each op is the chain's, with the same operands, so the numbers
+# are the chain's bit for bit (but SGD without momentum under a clip: the chain folds the
+# clip factor into the learning rate, a host scalar, where here it scales the gradients: one
+# rounding apart). Where it does not, each tensor keeps its value exactly, with no
+# copy of the state: a refused step's gradients may be NaN, and NaN survives any arithmetic,
+# so each gradient is first chosen against a finite tensor (one ``where`` per leaf: the one
+# cost per leaf over the chain); the rest is gated by device scalars that make each op the
+# identity: Adam's ``lerp(m, g, w)`` with ``g := m``; ``v * b2 + c * g * (g * ok)`` with
+# ``b2 := 1``; the decay's ``p * shrink`` with ``shrink := 1``; the step ``p + s * m / den``
+# with ``den / ok = inf``; SGD's buffer ``buf * momentum + c * g`` with ``momentum := 1`` and
+# ``g := 0``, and ``p + lr * (d * ok)``. Each of these is exact at both ends (``x * 1``,
+# ``x + 0``, ``x / inf = 0`` for finite ``x``). With ``eps == 0`` Adam's denominator may be
+# 0: its step is ``p + s * (m * ok) / (den + 1 - ok)`` instead. Three forms were timed side
+# by side (AdamW over the host-bound GPT's 100 leaves, CPU, ``python -m
+# benchmarks.update_candidates``; benchmarks/results/2026-11-27-cpu-eager-no-read.md): the
+# compiled step's function run op by op (a ``where`` per tensor) at 2.6x torch's foreach
+# update, the chain's ops out of place with each old tensor then chosen by a lerp at 2.1x,
+# and this one, in place, at 1.13x, as the chain itself (1.15x); it was kept.
+
+
+def _chunk(leaves: tuple, run: list, clip: bool, dev: torch.Tensor) -> tuple:
+    """A chunk's tensors, per kind (gradients, params, state...), its gradients in the params'
+    dtypes times the clip factor (in place: the step's own gradients, not needed after)."""
+    cols = tuple(zip(*(leaves[j] for j in run)))
+    gs = [g.to(p.dtype) for g, p in zip(cols[0], cols[1])]
+    if clip:
+        torch._foreach_mul_(gs, dev[0])
+    return cols, gs
+
+
+def _chosen(gs: list, dev: torch.Tensor, other) -> list:
+    """Each gradient (in place) where the step applies, else ``other``'s tensor (or 0)."""
+    keep = dev[1] > 0
+    if other is None:
+        drop = ~keep
+        for g in gs:
+            g.masked_fill_(drop, 0.0)
+        return gs
+    for g, o in zip(gs, other):
+        torch.where(keep, g, o, out=g)
+    return gs
+
+
+def _unless(dev: torch.Tensor, x: float) -> torch.Tensor:
+    """``x`` where the step applies, else 1 (a device float32)."""
+    return torch.where(dev[1] > 0, x, 1.0).float()
+
+
+def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch.Tensor,
+               clip: bool) -> None:
+    """:func:`adam_update`'s update as the chain's foreach ops, in place, gated on ``dev``
+    ([Note: an update gated on the device]); ``rows``: the host's scalars per group."""
+    b1, b2, eps = hyper
+    b2_ok, ok = _unless(dev, b2), dev[1]
+    for (l2, decay), leaves, (_, s, bc2, shrink) in zip(static, groups, rows):
+        shrink_ok = _unless(dev, shrink) if decay else None
+        for run in chunks([leaf[1] for leaf in leaves]):
+            (_, ps, ms, vs), gs = _chunk(leaves, run, clip, dev)
+            if l2:
+                gs = torch._foreach_add(gs, list(ps), alpha=l2)
+            gs = _chosen(gs, dev, ms)  # m where the step does not apply: lerp(m, m) = m
+            torch._foreach_lerp_(ms, gs, 1 - b1)
+            torch._foreach_mul_(vs, b2_ok)
+            torch._foreach_addcmul_(vs, gs, torch._foreach_mul(gs, ok), 1 - b2)
+            del gs
+            den = torch._foreach_sqrt(vs)
+            torch._foreach_div_(den, bc2)
+            torch._foreach_add_(den, eps)
+            if decay:
+                torch._foreach_mul_(ps, shrink_ok)
+            if eps > 0.0:
+                torch._foreach_div_(den, ok)  # inf where the step does not apply
+                torch._foreach_addcdiv_(ps, ms, den, s)
+            else:  # den may be 0: (m * 0) / (den + 1) = 0 where the step does not apply
+                torch._foreach_add_(den, 1 - ok)
+                torch._foreach_addcdiv_(ps, torch._foreach_mul(ms, ok), den, s)
+            del den
+
+
+def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch.Tensor,
+              clip: bool) -> None:
+    """:func:`sgd_update`'s update as the chain's foreach ops, in place, gated on ``dev``."""
+    momentum, dampening, nesterov = hyper
+    mom_ok, ok = _unless(dev, momentum), dev[1]
+    for (l2, first), leaves, (_, lr) in zip(static, groups, rows):
+        for run in chunks([leaf[1] for leaf in leaves]):
+            (_, ps, *bufs), gs = _chunk(leaves, run, clip, dev)
+            if l2:
+                gs = torch._foreach_add(gs, list(ps), alpha=l2)
+            if not bufs:  # no momentum: p + lr * 0 = p where the step does not apply
+                torch._foreach_add_(ps, _chosen(gs, dev, None), alpha=lr)
+                continue
+            if first:  # a leaf's first update: its buffer is its gradient (or stays)
+                gs = _chosen(gs, dev, bufs[0])
+                torch._foreach_copy_(bufs[0], gs)
+            else:
+                gs = _chosen(gs, dev, None)
+                torch._foreach_mul_(bufs[0], mom_ok)
+                torch._foreach_add_(bufs[0], gs, alpha=1 - dampening)
+            res = torch._foreach_add(gs, bufs[0], alpha=momentum) if nesterov else bufs[0]
+            torch._foreach_add_(ps, torch._foreach_mul(res, ok), alpha=lr)
+
+
+EAGER = {"adam": adam_eager, "sgd": sgd_eager}
 
 
 def traceable(t: Optional[Traced]) -> bool:

@@ -1,0 +1,101 @@
+"""The eager step's update gated on the device (funshard.optim.traced's adam_eager and
+sgd_eager): where the step applies it is the fs.optim chain's, bit for bit; where it does
+not, every tensor keeps its value exactly, whatever the gradients hold (NaN, inf)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funshard as fs
+from funshard.optim import traced as tr
+from funshard.optim.base import flatten, locals_of
+from funshard.optim.measured import measured
+from funshard.optim.with_policy import with_policy
+
+OPTIMIZERS = {
+    "adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+    "adam_l2": lambda: fs.optim.adam(1e-2, weight_decay=0.1),
+    "adam_eps0": lambda: fs.optim.adam(1e-2, eps=0.0),
+    "adamw_masked": lambda: fs.optim.adamw(1e-2, weight_decay=0.1,
+                                           mask=lambda n: not n.endswith("b")),
+    "sgd": lambda: fs.optim.sgd(1e-1),
+    "sgd_momentum_l2": lambda: fs.optim.sgd(1e-1, momentum=0.9, weight_decay=0.1),
+    "sgd_nesterov": lambda: fs.optim.sgd(1e-1, momentum=0.9, nesterov=True),
+}
+
+shapes = st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+                  min_size=1, max_size=4)
+
+
+def _tree(shapes: list, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"l{i}.{'b' if len(s) == 1 else 'w'}": torch.randn(s, generator=g)
+            .requires_grad_() for i, s in enumerate(shapes)}
+
+
+def _gated(opt, grads: dict, state, params: dict, step: int, gain: float, ok: bool):
+    """One gated update of ``params`` (in place); the state with its counts advanced."""
+    t, gl = opt.traced, flatten(grads)[1]
+    prep = tr.prepare(t, gl, state, params, step=step, norm=None)
+    leaves = tr.leaves_of(prep, t, locals_of(gl), prep.state, params)
+    dev = torch.tensor([gain, float(ok), 1.0])
+    with torch.no_grad():
+        tr.EAGER[t.kind](t.hyper, prep.static, leaves, prep.scal[0], dev, t.clip is not None)
+    return prep.state
+
+
+def _tensors(params: dict, state) -> list:
+    return [x.detach() for x in flatten(params)[1] + flatten(state)[1]
+            if isinstance(x, torch.Tensor)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), shapes=shapes,
+       clip=st.sampled_from([None, 0.3, 100.0]), steps=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_where_the_step_applies_it_is_the_chain_bit_for_bit(name, shapes, clip, steps, seed):
+    opt = with_policy(OPTIMIZERS[name](), clip_norm=clip, skip_nonfinite=False)
+    chain_p, gated_p = _tree(shapes, seed), _tree(shapes, seed)
+    chain_s, gated_s = opt.init(chain_p), opt.init(gated_p)
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in chain_p.items()}
+        norm = math.sqrt(sum(float((x.double() ** 2).sum()) for x in grads.values()))
+        with measured(grads, norm, True):
+            chain_p, chain_s = opt.update(grads, chain_s, chain_p, step=step)
+        gain = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
+        gated_s = _gated(opt, grads, gated_s, gated_p, step, gain, True)
+    # SGD without momentum under a clip: the chain folds the clip factor into the learning
+    # rate (one scalar, ``p + (c * -lr) * g``), the gated update scales the gradient (the
+    # factor is on the device): one rounding apart
+    exact = not (name == "sgd" and clip is not None)
+    for a, b in zip(_tensors(chain_p, chain_s), _tensors(gated_p, gated_s)):
+        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-6, atol=1e-7), \
+            (name, (a - b).abs().max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), shapes=shapes,
+       clip=st.sampled_from([None, 0.3]), before=st.integers(0, 2),
+       bad=st.sampled_from([math.nan, math.inf, -math.inf, 1.0]), seed=st.integers(0, 2**16))
+def test_where_it_does_not_nothing_changes(name, shapes, clip, before, bad, seed):
+    """After ``before`` applied steps (a leaf's first update differs for SGD), a step the
+    device refuses changes no parameter or state tensor, its gradients NaN, inf or finite."""
+    opt = with_policy(OPTIMIZERS[name](), clip_norm=clip, skip_nonfinite=False)
+    params = _tree(shapes, seed)
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(before):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        state = _gated(opt, grads, state, params, step, 1.0, True)
+    kept = [x.clone() for x in _tensors(params, state)]
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    first = next(iter(grads.values()))
+    first.view(-1)[0] = bad
+    _gated(opt, grads, state, params, before, math.nan if bad != 1.0 else 0.5, False)
+    for a, b in zip(kept, _tensors(params, state)):
+        assert torch.equal(a, b), name
