@@ -21,7 +21,6 @@ from funshard.testing import CountCollectives, LivePeak, tensor_bytes
 from .modes import Config, batches, build_mode, build_model, device_of, meshes_for
 from .overlap import kernels_of, overlap_of, overlap_text
 
-_METRICS_MAX = 72  # all-reduces this small are the step's metrics (loss, grad norm)
 
 
 def _sync(cfg: Config) -> None:
@@ -49,11 +48,11 @@ def _gather(obj):
 def traffic_of(ops: list[tuple[str, int, int]]) -> dict[str, dict[str, int]]:
     """:attr:`CountCollectives.ops` by kind: ``count``, ``bytes`` (the logical buffer:
     all-gather output, reduce-scatter input, all-reduce tensor) and ``counted`` (the op's
-    first argument, as :attr:`CountCollectives.bytes` records it). All-reduces of at most 72
-    bytes (the step's loss and grad-norm metrics) count as ``"metrics"``."""
+    first argument, as :attr:`CountCollectives.bytes` records it). The float64 all-reduce
+    (the step's metrics: loss, grad norm, its checks) counts as ``"metrics"``."""
     kinds: dict[str, dict[str, int]] = {}
-    for kind, logical, counted in ops:
-        if kind == "all_reduce" and logical <= _METRICS_MAX:
+    for kind, logical, counted, dtype in ops:
+        if kind == "all_reduce" and dtype is torch.float64:
             kind = "metrics"
         k = kinds.setdefault(kind, {"count": 0, "bytes": 0, "counted": 0})
         k["count"] += 1

@@ -1,8 +1,12 @@
-"""What the optimizer update costs the host, and what compiling it saves: four ways to run
+"""What the optimizer update costs the host, and what compiling it saves: five ways to run
 AdamW over the host-bound GPT's parameters (100 leaves, world 1), timed per update.
 
-- ``fs_optim``: ``fs.optim.adamw`` on the shards, as the step runs it today (eager; its
-  scalars, the bias corrections and the learning rate, are Python floats);
+- ``fs_optim``: ``fs.optim.adamw`` on the shards, as a step that reads its metrics first
+  runs it (eager; its scalars, the bias corrections and the learning rate, are Python
+  floats);
+- ``fs_gated``: the eager step's update that reads nothing: the same foreach ops, gated
+  on the device's verdict ([Note: an update gated on the device] in
+  :mod:`funshard.optim.traced`);
 - ``torch_foreach``: ``torch.optim.AdamW(foreach=True)``, eager, what the plain step runs;
 - ``torch_compiled``: the same optimizer's ``step()`` under ``torch.compile``, with
   ``capturable=True`` and the learning rate a tensor (so a new step count or rate is not a
@@ -70,7 +74,17 @@ def run_rank(cfg: Config, rounds: int, steps: int) -> dict:
         held[1], held[0] = program(opt, grads, held[0], held[1], step=i, norm=1.0,
                                    device=torch.device("cpu"))
 
-    runs = {"fs_optim": fs_optim, "torch_foreach": torch_like(False),
+    eager = UpdateProgram(None)
+    held2 = [None, fs.shard({k: v.detach().clone().requires_grad_(v.requires_grad)
+                             for k, v in named.items()}, mesh)]
+    held2[0] = opt.init(held2[1])
+    dev = torch.ones(3)
+
+    def fs_gated(i):
+        held2[1], held2[0] = eager(opt, grads, held2[0], held2[1], step=i, norm=None,
+                                   device=torch.device("cpu"), dev=dev)
+
+    runs = {"fs_gated": fs_gated, "fs_optim": fs_optim, "torch_foreach": torch_like(False),
             "torch_compiled": torch_like(True), "fs_program": fs_program}
     for run in runs.values():  # warm-up (compiles the last two)
         for i in range(3):

@@ -31,10 +31,13 @@ from .layout import Layout, gather_bytes
 from .step import Policy
 from .step.schedule import Schedule, group_names, make_schedule, partition
 
-# the step's one all-reduce, float64: loss, squared grad norm, fs.Mean's count and kind, the
-# local batch's rows and their square, the leaves given no gradient (see [Note: a parameter
-# no rank reached] in funshard.step.update), and the gather order's check
-_METRICS_BYTES = 72
+def _metrics_bytes(leaves: int) -> int:
+    """The step's one all-reduce, float64: loss, squared grad norm, fs.Mean's count and kind,
+    the local batch's rows and their square, the gather order's check, and per trainable
+    leaf its squared norm and whether this rank reached it (the optimizers ``plan`` knows
+    are gated on the device, which names a non-finite leaf and drops an unreached one from
+    these: [Note: a step that reads nothing] in funshard.step.deferred)."""
+    return 8 * (8 + 2 * leaves)
 
 
 class Traffic(NamedTuple):
@@ -283,9 +286,10 @@ def _reduce_traffic(t: _Tree, policy: Policy, shard: int, replicate: int) -> dic
                 ar_rep += (seg + rep) * dt.itemsize
     world = shard * replicate
     metrics = 1 if world > 1 else 0
-    ar_bytes = ar + ar_rep + metrics * _METRICS_BYTES
+    sums = _metrics_bytes(sum(t.trainable))
+    ar_bytes = ar + ar_rep + metrics * sums
     wire = int(2 * _ring(shard) * ar + 2 * _ring(replicate) * ar_rep
-               + 2 * _ring(world) * metrics * _METRICS_BYTES)
+               + 2 * _ring(world) * metrics * sums)
     return {
         "reduce_scatter": Traffic(n_rs, rs_in, rs_out, int(rs_in * _ring(shard))),
         "all_reduce": Traffic(n_ar + n_ar_rep + metrics, ar_bytes, ar_bytes, wire),

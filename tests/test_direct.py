@@ -184,7 +184,13 @@ def refused_and_accumulated(spec, how):
         with force_collectives(forced):
             for b in batches:
                 got = []
-                kinds.append(capture(lambda: got.append(step(state, b)))[0])
+
+                def one():  # the step, its metrics read (where a refusal raises)
+                    out = step(state, b)
+                    dict(out[1])
+                    got.append(out)
+
+                kinds.append(capture(one)[0])
                 state = got[0][0] if got else state
         return fs.unshard(state.params), kinds
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import funshard as fs
-from funshard.testing import capture, mesh
+from funshard.testing import capture, mesh, stepped
 from funshard.testing.models import MLP, mse_loss
 
 
@@ -51,7 +51,7 @@ def step_misuse(spec):
     constant = loss_of(lambda p, b: (b[0] * torch.ones(5, requires_grad=True)).sum())
     probe("no_params", lambda: constant(constant.init(state3.params), batch), state3)
     nan_loss = loss_of(lambda p, b: mse_loss(model)(p, b) + float("nan"))
-    probe("nan_loss", lambda: nan_loss(nan_loss.init(state3.params), batch), state3)
+    probe("nan_loss", lambda: stepped(nan_loss, nan_loss.init(state3.params), batch), state3)
 
     def inference():
         with torch.inference_mode():
@@ -103,7 +103,7 @@ def empty_batch(spec):
     if dist.get_rank() == 1:
         batch = (batch[0][:0], batch[1][:0])
     before = _locals(state)
-    t, msg = capture(lambda: step(state, batch))
+    t, msg = capture(lambda: stepped(step, state, batch))
     return t, msg, _unchanged(before, state)
 
 
@@ -438,8 +438,8 @@ def branch_per_rank(spec, raf):
     state = step.init(fs.shard(fs.params(model), m))
     before = _locals(state)
     g = torch.Generator().manual_seed(rank)
-    t, msg = capture(lambda: step(state, (torch.randn(2, 5, generator=g),
-                                          torch.randn(2, 3, generator=g))))
+    t, msg = capture(lambda: stepped(step, state, (torch.randn(2, 5, generator=g),
+                                                   torch.randn(2, 3, generator=g))))
     return t, msg, _unchanged(before, state)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import funshard as fs
 from conftest import ROOT
-from funshard.testing import mesh
+from funshard.testing import mesh, stepped
 from funshard.testing.models import GPT, gpt_loss
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -79,7 +79,8 @@ def shard_meta(spec, path):
     nan = all(v.to_local().isnan().all() for v in sparams.values())
     step = fs.train_step(gpt_loss(model), fs.optim.sgd(lr=0.1))
     try:
-        step(step.init(sparams), quickstart.get_batch(0, dist.get_rank(), dist.get_world_size(), 8))
+        stepped(step, step.init(sparams),
+                quickstart.get_batch(0, dist.get_rank(), dist.get_world_size(), 8))
         refused = None
     except (FloatingPointError, ValueError) as e:
         refused = str(e)

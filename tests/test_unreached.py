@@ -133,8 +133,13 @@ def test_unreached_leaves_under_other_policies(pools, policy):
         assert max(r["errs"]) < tol, (rank, r)
 
 
-def test_the_leaves_reached_cost_a_second_all_reduce_only_when_some_rank_left_one(pools):
-    """Every leaf reached on every rank (step 2): the step's one metrics all-reduce. A leaf
-    some rank did not reach (steps 0, 1, 3): one more, of a flag per leaf."""
-    for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", "sgd", {})):
-        assert r["all_reduces"] == [2, 2, 1, 2], (rank, r)
+@pytest.mark.parametrize("optimizer", ["sgd", "torch_adamw"])
+def test_the_leaves_reached_cost_no_second_all_reduce_where_the_device_gates(pools,
+                                                                             optimizer):
+    """With sgd (an update gated on the device), the step's one metrics all-reduce carries
+    a flag per leaf, whichever leaves the ranks reached. With an optimizer that runs after
+    the host read (from_torch): the one all-reduce where every leaf was reached on every
+    rank (step 2), one more, of a flag per leaf, where some rank left one (steps 0, 1, 3)."""
+    for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", optimizer, {})):
+        want = [1, 1, 1, 1] if optimizer == "sgd" else [2, 2, 1, 2]
+        assert r["all_reduces"] == want, (rank, r)

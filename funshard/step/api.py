@@ -41,6 +41,7 @@ from .donation import Donations
 from .policy import Policy
 from .params import ParamGroups
 from .run import Run
+from .update_program import UpdateProgram
 
 Tree = Any
 
@@ -193,22 +194,23 @@ def _groups_for(cache: dict, policy: Policy, params: Tree) -> tuple[ParamGroups,
 
 
 def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
-           state: TrainState, batch: Any, compiled=None,
-           pending=None) -> tuple[TrainState, dict]:
+           state: TrainState, batch: Any, compiled=None, pending=None,
+           updates=None) -> tuple[TrainState, dict]:
     """One step of :func:`train_step` (``groups_for``: its per-tree cache; ``compiled``: its
     :class:`~funshard.step.compiled.Compiled`, or None; ``pending``: the unread verdicts of
-    the compiled steps before it, :func:`~funshard.step.deferred.take`)."""
+    the steps before it, :func:`~funshard.step.deferred.take`; ``updates``: the update
+    program, compiled or not, that gates the update on the device)."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError("train_step: called under torch.inference_mode(), where no "
                            "gradient can be computed; call it outside.")
-    no_read = deferred.usable(compiled, optimizer)
-    if pending is not None and not (no_read and pending.program is compiled.updates):
+    no_read = deferred.usable(updates, optimizer)
+    if pending is not None and not (no_read and pending.program is updates):
         pending.settle()  # this step reads, or another step's device state: theirs first
     params, leaves = groups_for(state.params)
     donations.check(state, leaves)
     _check_counts(state)
     scaling.check_state(policy, state.loss_scale)
-    scale = (deferred.loss_scale(policy, state, compiled.updates, pending, params.device)
+    scale = (deferred.loss_scale(policy, state, updates, pending, params.device)
              if no_read else state.loss_scale)
     direct = direct_.usable(params)  # see [Note: the direct path]
     shards = (params.leaves.of(params, leaves) if direct else
@@ -226,7 +228,7 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
            compiled.grads(params, leaves, bufs, batch, eager, scale))
     if no_read:
         new_state, metrics = deferred.update(optimizer, policy, params, state, out, batch,
-                                             compiled.updates, pending)
+                                             updates, pending)
     else:
         new_state, metrics = update.update(optimizer, policy, params, state, out, batch,
                                            None if compiled is None else compiled.updates)
@@ -241,8 +243,7 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
     # the optimizer updates the leaves in place: the new state holds the same tensors
     donations.donate(state)
     new_state = donations.remember(new_state, leaves)
-    deferred.attach(metrics, state, new_state, donations, leaves,
-                    compiled and compiled.updates)
+    deferred.attach(metrics, state, new_state, donations, leaves, updates)
     return new_state, metrics
 
 
@@ -265,6 +266,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
     Returns:
         :class:`TrainStep`; ``state, metrics = step(state, batch)`` with ``metrics["loss"]``
         (mean over all data-parallel ranks) and ``metrics["grad_norm"]`` (before clipping).
+        With ``adam``, ``adamw`` or ``sgd`` the step makes no host read: ``metrics`` is a
+        dict read from the device at its first access, where a refused step's error
+        raises (or at the start of the step after next; [Note: a step that reads nothing]
+        in :mod:`funshard.step.deferred`).
 
     Example: N ranks with batch B each match one process on the N*B batch.
     """
@@ -288,6 +293,7 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
         from .compiled import Compiled  # torch.compile's machinery only when asked for
 
         compiled = Compiled(loss_fn, policy, compile)
+    updates = compiled.updates if compiled is not None else UpdateProgram(None)
 
     def groups_for(params: Tree) -> tuple[ParamGroups, list]:
         return _groups_for(cache, policy, params)
@@ -309,10 +315,10 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
     def apply(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         # counted and, on an exception, posted for the other ranks (collectives.failures)
         with collectives.failures.call(f"train_step (step {getattr(state, 'step', '?')})"):
-            pending = deferred.take(state)  # the compiled steps' checks, read two steps late
+            pending = deferred.take(state)  # the checks of the steps before, read late
             try:
                 return _apply(loss_fn, optimizer, policy, groups_for, donations, state,
-                              batch, compiled, pending)
+                              batch, compiled, pending, updates)
             except BaseException:
                 deferred.give_back(state, pending)
                 raise

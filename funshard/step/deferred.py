@@ -1,25 +1,27 @@
-"""The compiled step's update without a read on the host: its checks and metrics stay on the
-device until the caller reads them.
+"""The step's update without a read on the host: its checks and metrics stay on the device
+until the caller reads them.
 
-[Note: a step that reads nothing] The eager step reads its metrics on the host before the
-update (the loss and the global norm: the non-finite rule, the clip factor, the checks that
-the ranks agree); on a GPU the host then waits for backward to finish, and the device idles
-while the update is issued. Here, for the compiled step with an update the compiler holds
-(:mod:`funshard.step.update_program`), the Policy's default rule (a non-finite step is
-refused) and no loss scale, the same all-reduce carries the same sums, and the
-device works out what the host did: ``ok`` (the loss and norm finite, the ranks' gather
-orders and kinds of loss alike, and no earlier step refused and unread) and the clip
-factor. The update program applies the update where ``ok`` holds and keeps every tensor
+[Note: a step that reads nothing] A step that read its metrics on the host before the update
+(the loss and the global norm: the non-finite rule, the clip factor, the checks that the
+ranks agree) would make the host wait, on a GPU, for backward to finish, and the device
+idle while the update is issued (:mod:`funshard.step.update` does so still, for the
+optimizers the device cannot gate). Here, for an update an
+:class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
+the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
+update gated on the device] in :mod:`funshard.optim.traced`), the same all-reduce carries
+the same sums, and the device works out what the host did: ``ok`` (the loss and norm
+finite, the ranks' gather orders and kinds of loss alike, and no earlier step refused and
+unread) and the clip factor. The update program applies the update where ``ok`` holds and keeps every tensor
 where it does not. The sums come to the host (from pinned memory on a GPU, without a wait)
 and are read at the first of: the caller reading ``metrics`` (any key), ``fs.state_dict``
 or a checkpoint of the returned state, and the start of the step after next (the step
 after next, so that the host waits there for a backward the device finished long before:
-the host stays a step ahead). A check that failed raises there, with the message the eager
-step gives, on every rank at the same step; the state passed into the refused step is then
+the host stays a step ahead). A check that failed raises there, with the message a step
+that reads gives, on every rank at the same step; the state passed into the refused step is then
 usable again (its tensors kept their values on the device, the steps issued since skipped
 their updates too) and the states returned since refuse to be read. A rank whose loss
 reached some trainable leaf on no rank of its own reads the per-leaf flags at once (which
-leaves no rank reached), as the eager step does. The buffers (``state.buffers``) take the
+leaves no rank reached), as a step that reads does. The buffers (``state.buffers``) take the
 step's working copies where ``ok`` holds, on the device too. A dynamic loss scale lives on
 the device as well ([Note: a loss scale on the device] in :mod:`funshard.step.scaling`).
 
@@ -30,7 +32,9 @@ the schedule's step). The host, a step ahead of the device, builds each step's s
 the step before it applied, while that step's verdict is unread; the update then carries
 its scalars both ways (the second as if the step before was skipped: each leaf it counted
 one update fewer, the schedule a step back) and the device takes the case its last verdict
-says (``applied``), so the update is the eager step's either way with no read. When a
+says (``applied``), so the update is the one a step that reads would make, either way,
+with no read. The eager step's update takes its scalars from the host, so it reads the
+verdict of the step before at its start instead (the host stays a step ahead). When a
 verdict reads as skipped, the states built on it are corrected where they are read (their
 fields, what ``fs.state_dict`` and a checkpoint read): ``skipped`` one more, the counts of
 the leaves that step counted one fewer, and after an overflow the loss scale as the rule
@@ -38,8 +42,8 @@ moves it. SGD's first update of a leaf is fixed in the program's trace, so the s
 leaf's first update reads the verdict before it (a leaf's first two steps only). The
 device's own state (``applied``, the scale, the health) moves only once a step's update
 ran, so a step that raises leaves it as the verdict still unread left it; and a state
-handed to another step (another ``train_step``, the eager one) with a verdict unread has it
-read first, since that step's device state never saw it.
+handed to another step (another ``train_step``, compiled or not) with a verdict unread has
+it read first, since that step's device state never saw it.
 """
 
 from __future__ import annotations
@@ -59,9 +63,9 @@ from .update import (HEAD, Grads, check_trained, count_error, empty_batch, loss_
                      nonfinite_error, norm_of, read_head, sums_head)
 
 
-def usable(compiled, optimizer) -> bool:
+def usable(program, optimizer) -> bool:
     """Whether this step goes without the host read: the same on every rank."""
-    return compiled is not None and compiled.updates.covers(optimizer)
+    return program is not None and program.covers(optimizer)
 
 
 def loss_scale(policy, state, program, pending: "Verdict | None", device):
@@ -207,7 +211,7 @@ def attach(metrics: dict, old, new, donations, leaves: list, program) -> None:
 
 
 def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> torch.Tensor:
-    """This rank's part of the step's sums: what the eager step's metrics all-reduce
+    """This rank's part of the step's sums: what a reading step's metrics all-reduce
     carries, and per leaf its weighted squared norm and whether this rank reached it."""
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
@@ -264,11 +268,11 @@ def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program
 
 def _reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
             step: int, note: str, skip: bool, scale) -> Callable[[list], tuple]:
-    """How the host reads the sums: the eager step's checks, then the metrics, and whether a
+    """How the host reads the sums: a reading step's checks, then the metrics, and whether a
     dynamic scale moved otherwise than the host took it to (``skip``: a non-finite step
     reads as skipped; under a dynamic scale an overflow too; ``scale``: the loss scale, a
     number, ``"dynamic"`` (the one the step used, last in the sums) or None). (It holds no
-    tensor of the step: the gradients are freed as the eager step frees them.)"""
+    tensor of the step: the gradients are freed as a reading step frees them.)"""
     dynamic = scale == "dynamic"
 
     def read(vals: list) -> tuple:
@@ -323,7 +327,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
         check_trained(params, grads)
         counted = [i for i in present if grads[i] is not None]
     skip = policy.skip_nonfinite
-    doubt = _doubt(optimizer.traced, state, prior) if skip or dynamic else None
+    doubt = _doubt(optimizer.traced, state, prior, program.eager) if skip or dynamic else None
     factor, dev, commit = _on_device(params, vec, out.count is not None,
                                      optimizer.traced.clip, program, skip, mirror)
     if factor is not None:  # fs.Mean: the gradient of the mean over every item
@@ -352,13 +356,15 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
                           ), Metrics(host, verdict, dev[1] > 0)  # (as if finite: corrected)
 
 
-def _doubt(t, state, prior: Verdict | None) -> tuple | None:
+def _doubt(t, state, prior: Verdict | None, eager: bool) -> tuple | None:
     """The leaves the step before counted, while its verdict (skipped or not) is unread;
-    where one program cannot serve both cases, the verdict read now instead ([Note: two
-    counts in doubt]; a skip read corrects ``state``)."""
+    where one program cannot serve both cases (the eager step's never does: its scalars are
+    the host's), the verdict read now instead ([Note: two counts in doubt]; a skip read
+    corrects ``state``)."""
     if prior is None or not prior.open():
         return None
-    if traced_.decided(t, state.opt_state, prior.delta, state.step - state.skipped):
+    if not eager and traced_.decided(t, state.opt_state, prior.delta,
+                                     state.step - state.skipped):
         return prior.delta
     prior.settle()
     return None

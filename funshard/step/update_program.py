@@ -1,5 +1,7 @@
-"""The compiled step's update: ``adam``, ``adamw`` and ``sgd`` (the Policy's clip in front) as
-the step's second compiled program, over every leaf's local shards at once.
+"""The step's update of ``adam``, ``adamw`` and ``sgd`` (the Policy's clip in front) over every
+leaf's local shards at once: the compiled step's second program or, made with no options,
+the eager step's foreach ops gated on the device ([Note: an update gated on the device] in
+:mod:`funshard.optim.traced`).
 
 The host works out the step's scalars ([Note: an update the compiler can hold] in
 :mod:`funshard.optim.traced`) and copies them to the device as one small tensor without a
@@ -106,9 +108,16 @@ class UpdateProgram:
             self._scale = tuple(torch.ones((), device=device) for _ in range(2))
         return self._scale
 
-    @staticmethod
-    def covers(optimizer) -> bool:
-        return traced_.traceable(getattr(optimizer, "traced", None))
+    @property
+    def eager(self) -> bool:
+        """Whether it runs the update eagerly (the eager step's: made with no options)."""
+        return self.options is None
+
+    def covers(self, optimizer) -> bool:
+        """Whether it updates ``optimizer``'s state (eagerly: not Adam's fused kernel, which
+        the chain runs after the host read)."""
+        t = getattr(optimizer, "traced", None)
+        return traced_.traceable(t) and not (self.eager and t.fused)
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
                  norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
@@ -122,9 +131,14 @@ class UpdateProgram:
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
             return params, prep.state
+        leaves = traced_.leaves_of(prep, t, locals_of(grads), prep.state, params)
+        if self.eager:  # the eager step's ([Note: an update gated on the device])
+            with torch.no_grad():
+                traced_.EAGER[t.kind](t.hyper, prep.static, leaves, prep.scal[0], dev,
+                                      t.clip is not None)
+            return params, prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
-                       for group in traced_.leaves_of(prep, t, locals_of(grads), prep.state,
-                                                      params))
+                       for group in leaves)
         key = (t.kind, t.hyper, prep.static, tuple(len(g) for g in prep.groups), dev is None)
         entry = self.fns.get(key)
         if entry is None:

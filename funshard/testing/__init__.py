@@ -7,7 +7,7 @@ tensor memory, parity inputs, small reference models.
 
 ``pool`` (Pool, Pools, mesh, the lane's DEVICE / device / devices_for), ``parity``
 (assert_parity: N ranks against one process), ``counting`` (classify, CountCollectives),
-``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture),
+``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture, stepped),
 ``launch`` (free_port, under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss, MatMulT).
 ``strategies`` (hypothesis strategies: shapes, dtypes, trees, meshes, policies) needs
 hypothesis and is imported by name; ``plugin`` is the pytest plugin (the ``funshard_pool``
@@ -21,7 +21,7 @@ from .memory import LiveMemory, LivePeak, tensor_bytes
 from .parity import assert_parity
 from .pool import (DEVICE, MeshSpec, Pool, Pools, RankError, device, devices_for, mesh,
                    world_of)
-from .tensors import TEST_DTYPES, capture, make_tensor
+from .tensors import TEST_DTYPES, capture, make_tensor, stepped
 
 __all__ = [
     "DEVICE",
@@ -36,6 +36,7 @@ __all__ = [
     "RankError",
     "assert_parity",
     "capture",
+    "stepped",
     "classify",
     "device",
     "devices_for",

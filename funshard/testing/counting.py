@@ -40,6 +40,14 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _dtype(x) -> torch.dtype | None:
+    if isinstance(x, torch.Tensor):
+        return x.dtype
+    if isinstance(x, (list, tuple)) and x:
+        return _dtype(x[0])
+    return None
+
+
 def classify(func, args) -> tuple[str, int, int] | None:
     """One op as a collective: (kind, logical bytes, counted bytes), or None for what is not
     one (barriers, other ops, and the messages of a funshard direct exchange, which its
@@ -65,8 +73,9 @@ class CountCollectives(TorchDispatchMode):
     """Counts c10d collectives (and their output bytes) issued on this thread while active.
 
     ``counts`` and ``bytes`` (counted bytes) are by kind; ``ops`` lists every collective in
-    issue order as :func:`classify` gives it, ``(kind, logical bytes, counted bytes)``, for
-    callers that split a kind further (the benchmark tells metric all-reduces apart by size).
+    issue order as :func:`classify` gives it, with its dtype (None for a direct exchange's
+    marker), ``(kind, logical bytes, counted bytes, dtype)``, for callers that split a kind
+    further (the benchmark tells the step's metrics all-reduce apart: float64).
 
         >>> with CountCollectives() as cc:
         ...     fs.unshard(sparams)
@@ -77,7 +86,7 @@ class CountCollectives(TorchDispatchMode):
         super().__init__()
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
-        self.ops: list[tuple[str, int, int]] = []
+        self.ops: list[tuple[str, int, int, torch.dtype | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = classify(func, args)
@@ -85,6 +94,6 @@ class CountCollectives(TorchDispatchMode):
             kind, _, counted = op
             self.counts[kind] += 1
             self.bytes[kind] += counted
-            self.ops.append(op)
+            self.ops.append((*op, _dtype(args[0]) if func.namespace == "c10d" else None))
         return func(*args, **(kwargs or {}))
 

@@ -38,3 +38,12 @@ def capture(fn: Callable, *args: Any, **kwargs: Any) -> tuple[str | None, str]:
         return type(e).__name__, str(e)
     return None, "no error"
 
+
+def stepped(step: Callable, state: Any, batch: Any) -> tuple[Any, dict]:
+    """``step(state, batch)`` with its metrics read: where the step's checks that wait on
+    the device raise (a non-finite step's refusal, ranks that gathered in different
+    orders), as they would at a training loop's log line."""
+    state, metrics = step(state, batch)
+    dict(metrics)
+    return state, metrics
+
