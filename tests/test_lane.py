@@ -219,6 +219,44 @@ def test_a_custom_function_in_a_group_module_on_device(pools, spec, raf):
         assert err < TOL, err
 
 
+def syncs_in_a_step(spec, policy):
+    """An eager AdamW step on the lane's device after three (the schedule learned, the
+    metrics read), under ``torch.cuda.set_sync_debug_mode("error")``: a host wait for the
+    device raises there. Then the caller's read of its loss."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    with forced(world):
+        model = _gpt(dev)
+        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1),
+                             policy=fs.Policy(**policy))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            state, metrics = step(state, _local(_batch(g, world, dev), rank))
+            float(metrics["loss"])
+        batch = _local(_batch(g, world, dev), rank)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            state, metrics = step(state, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return float(metrics["loss"])
+
+
+@pytest.mark.parametrize("policy", [{}, {"clip_norm": 0.5, "accumulate": 2},
+                                    {"skip_nonfinite": True}], ids=["full", "clip", "skip"])
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_an_eager_step_never_waits_for_the_device(pools, spec, policy):
+    """The eager step with adamw makes no host wait for the GPU (its metrics and checks
+    stay on the device, the update is gated there), with a clip, accumulation and the
+    non-finite skip."""
+    if DEVICE != "cuda":
+        pytest.skip("a CPU has no device to wait for: tests/test_device.py counts the host "
+                    "reads the step makes on the CPU")
+    for loss in pools.run(spec, syncs_in_a_step, policy):
+        assert loss == loss, loss
+
+
 def overlap_on_device(spec):
     """The compiled step's program (inductor) on the lane's device, a world of one with
     every collective forced: per collective, the compute kernels between its issue and its
