@@ -18,6 +18,8 @@ from funshard.optim.with_policy import with_policy
 
 OPTIMIZERS = {
     "adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+    "adamw_fused": lambda: fs.optim.adamw(1e-2, weight_decay=0.1, fused=True,
+                                          mask=lambda n: not n.endswith("b")),
     "adam_l2": lambda: fs.optim.adam(1e-2, weight_decay=0.1),
     "adam_eps0": lambda: fs.optim.adam(1e-2, eps=0.0),
     "adamw_masked": lambda: fs.optim.adamw(1e-2, weight_decay=0.1,
@@ -44,7 +46,7 @@ def _gated(opt, grads: dict, state, params: dict, step: int, gain: float, ok: bo
     leaves = tr.leaves_of(prep, t, locals_of(gl), prep.state, params)
     dev = torch.tensor([gain, float(ok), 1.0])
     with torch.no_grad():
-        tr.EAGER[t.kind](t.hyper, prep.static, leaves, prep.scal[0], dev, t.clip is not None)
+        tr.eager_update(t, prep, leaves, step, dev)
     return prep.state
 
 

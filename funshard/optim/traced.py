@@ -45,19 +45,20 @@ class Traced(NamedTuple):
     decoupled: bool  # AdamW's decay, after the direction; else an L2 penalty on the gradient
     mask: Any = None  # where the decay applies (as add_decayed_weights' mask); None: everywhere
     clip: Optional[float] = None  # the global norm clip in front (Policy(clip_norm=))
-    fused: bool = False  # Adam's fused kernel (the eager step's update is the chain's then)
+    fused: bool = False  # Adam's fused kernel (adamw(fused=True))
 
 
 class Prepared(NamedTuple):
     """One step's update: ``groups`` (per row of ``scal``, the positions of its leaves),
     ``static`` (per group, what fixes its ops: its L2 penalty and whether AdamW's decay or
     SGD's first step applies), ``scal`` (the rows, Python floats), the state with its counts
-    advanced."""
+    advanced, and per group the updates its leaves had before this one (Adam's)."""
 
     groups: tuple
     static: tuple
     scal: list  # [case][row][scalar]: the second case, the step before skipped
     state: Any
+    counts: tuple = ()
 
 
 def _decays(t: Traced, params: Tree) -> list[bool]:
@@ -103,7 +104,7 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
     scal = [[_row(t, (lead[k], d), coef, r) for lead, d in rows]
             for k, r in ((0, lr), (1, alt_lr))]
     return Prepared(tuple(tuple(v) for v in rows.values()), static, scal,
-                    state._replace(count=count))
+                    state._replace(count=count), tuple(lead[0] for lead, _ in rows))
 
 
 def uncount(count: Tree, idx) -> Tree:
@@ -242,7 +243,9 @@ UPDATES = {"adam": adam_update, "sgd": sgd_update}
 # with ``den / ok = inf``; SGD's buffer ``buf * momentum + c * g`` with ``momentum := 1`` and
 # ``g := 0``, and ``p + lr * (d * ok)``. Each of these is exact at both ends (``x * 1``,
 # ``x + 0``, ``x / inf = 0`` for finite ``x``). With ``eps == 0`` Adam's denominator may be
-# 0: its step is ``p + s * (m * ok) / (den + 1 - ok)`` instead. Three forms were timed side
+# 0: its step is ``p + s * (m * ok) / (den + 1 - ok)`` instead. ``adamw(fused=True)`` runs
+# torch's fused kernel as the chain does, the verdict its ``found_inf`` (the kernel then
+# writes nothing). Three forms were timed side
 # by side (AdamW over the host-bound GPT's 100 leaves, CPU, ``python -m
 # benchmarks.update_candidates``; benchmarks/results/2026-11-27-cpu-eager-no-read.md): the
 # compiled step's function run op by op (a ``where`` per tensor) at 2.6x torch's foreach
@@ -333,7 +336,38 @@ def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch
             torch._foreach_add_(ps, torch._foreach_mul(res, ok), alpha=lr)
 
 
+def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
+                     dev: torch.Tensor) -> None:
+    """``adamw(fused=True)``'s update: the chain's own fused kernel call ([Note: fused Adam]
+    in :mod:`.apply`), one per group, device and dtype, with the device's verdict as its
+    ``found_inf``: where the step does not apply the kernel writes nothing."""
+    b1, b2, eps = t.hyper
+    lr, skip = lr_at(t.lr, step), 1 - dev[1]
+    for (_, decay), leaves, n in zip(prep.static, groups, prep.counts):
+        kinds: dict = {}
+        for leaf in leaves:
+            kinds.setdefault((leaf[1].device, leaf[1].dtype), []).append(leaf)
+        for (device, _), run in kinds.items():
+            gs, ps, ms, vs = (list(c) for c in zip(*run))
+            if t.clip is not None:
+                torch._foreach_mul_(gs, dev[0])
+            steps = [torch.full((), float(n + 1), dtype=torch.float32, device=device)] * len(ps)
+            torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=b1, beta2=b2,
+                                weight_decay=t.weight_decay if decay else 0.0, eps=eps,
+                                amsgrad=False, maximize=False, found_inf=skip)
+
+
 EAGER = {"adam": adam_eager, "sgd": sgd_eager}
+
+
+def eager_update(t: Traced, prep: Prepared, groups: tuple, step: int,
+                 dev: torch.Tensor) -> None:
+    """The eager step's update of ``groups`` (:func:`leaves_of`), gated on ``dev`` (the clip
+    factor, whether the step applies); ``prep`` made with no doubt (one case)."""
+    if t.fused:
+        adam_fused_eager(t, prep, groups, step, dev)
+    else:
+        EAGER[t.kind](t.hyper, prep.static, groups, prep.scal[0], dev, t.clip is not None)
 
 
 def traceable(t: Optional[Traced]) -> bool:

@@ -1,5 +1,5 @@
 """After backward, for an optimizer the device cannot gate (a custom chain, ``muon``,
-``from_torch``, Adam's fused kernel; ``adam``, ``adamw`` and ``sgd`` read nothing:
+``from_torch``; ``adam``, ``adamw`` and ``sgd`` read nothing:
 :mod:`funshard.step.deferred`): the step's metrics, its non-finite rule, and the optimizer.
 
 The loss and the global gradient norm take one all-reduce and one read on the host (the

@@ -113,11 +113,9 @@ class UpdateProgram:
         """Whether it runs the update eagerly (the eager step's: made with no options)."""
         return self.options is None
 
-    def covers(self, optimizer) -> bool:
-        """Whether it updates ``optimizer``'s state (eagerly: not Adam's fused kernel, which
-        the chain runs after the host read)."""
-        t = getattr(optimizer, "traced", None)
-        return traced_.traceable(t) and not (self.eager and t.fused)
+    @staticmethod
+    def covers(optimizer) -> bool:
+        return traced_.traceable(getattr(optimizer, "traced", None))
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
                  norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
@@ -134,8 +132,7 @@ class UpdateProgram:
         leaves = traced_.leaves_of(prep, t, locals_of(grads), prep.state, params)
         if self.eager:  # the eager step's ([Note: an update gated on the device])
             with torch.no_grad():
-                traced_.EAGER[t.kind](t.hyper, prep.static, leaves, prep.scal[0], dev,
-                                      t.clip is not None)
+                traced_.eager_update(t, prep, leaves, step, dev)
             return params, prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
                        for group in leaves)
