@@ -101,3 +101,15 @@ def test_where_it_does_not_nothing_changes(name, shapes, clip, before, bad, seed
     _gated(opt, grads, state, params, before, math.nan if bad != 1.0 else 0.5, False)
     for a, b in zip(kept, _tensors(params, state)):
         assert torch.equal(a, b), name
+
+
+def test_a_gradient_two_leaves_share_is_their_own_before_the_update():
+    """The update scales and gates gradients in place: a tensor two leaves' gradients share
+    (an op may hand one gradient to two inputs) is copied first, so each is scaled once."""
+    from funshard.step.update import Grads, owned
+
+    g, h = torch.ones(3), torch.full((2,), 2.0)
+    out = owned(Grads([g, None, g, h], torch.zeros(()), [], (0, 0), (), None, set()))
+    assert out.grads[0] is g and out.grads[2] is not g and out.grads[3] is h
+    torch._foreach_mul_([x for x in out.grads if x is not None], 0.5)
+    assert all(torch.equal(x, torch.full((3,), 0.5)) for x in (out.grads[0], out.grads[2]))

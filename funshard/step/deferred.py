@@ -60,7 +60,7 @@ from . import batches, donation, scaling
 from .metrics import Metrics
 from .params import ParamGroups
 from .update import (HEAD, Grads, check_trained, count_error, empty_batch, loss_error,
-                     nonfinite_error, norm_of, read_head, sums_head)
+                     nonfinite_error, norm_of, owned, read_head, sums_head)
 
 
 def usable(program, optimizer) -> bool:
@@ -305,6 +305,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     device, and ``program``'s update applied where ``ok`` holds: no host read (but the
     unreached-leaf rule's, on a rank that reached some leaf no rank may have)."""
     check_trained(params, out.grads)
+    out = owned(out)
     ls, dynamic = state.loss_scale, scaling.dynamic(policy)
     mirror = program.loss_scale(params.device) if dynamic else None
     if ls is not None:  # the gradients' scale: divided out first ([Note: loss scaling])

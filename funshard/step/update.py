@@ -39,6 +39,20 @@ class Grads(NamedTuple):
     used: set  # leaves given a gradient on this rank (an empty default would drop them all)
 
 
+def owned(out: Grads) -> Grads:
+    """``out`` with each gradient a tensor of its own: the update scales and gates them in
+    place, and a tensor that two leaves' gradients shared (an op handing one gradient to
+    two inputs) would be scaled twice. A repeated one is copied."""
+    seen: set = set()
+    grads = list(out.grads)
+    for i, g in enumerate(grads):
+        if g is not None:
+            if id(g) in seen:
+                grads[i] = g.clone()
+            seen.add(id(g))
+    return out._replace(grads=grads)
+
+
 def check_trained(params: ParamGroups, grads: list) -> None:
     """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
     if any(params.trainable) and all(g is None for g in grads):
@@ -177,6 +191,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     clip_by_global_norm in front) on the local shards; ``program``: the compiled step's
     :class:`~funshard.step.update_program.UpdateProgram`, for the optimizers it covers."""
     check_trained(params, out.grads)
+    out = owned(out)
     ls = state.loss_scale  # the gradients' scale: divided out first ([Note: loss scaling])
     if ls is not None:
         out = out._replace(grads=scaling.unscale(out.grads,
