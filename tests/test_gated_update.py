@@ -58,14 +58,18 @@ def _tensors(params: dict, state) -> list:
 @settings(max_examples=40, deadline=None)
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), shapes=shapes,
        clip=st.sampled_from([None, 0.3, 100.0]), steps=st.integers(1, 4),
-       seed=st.integers(0, 2**16))
-def test_where_the_step_applies_it_is_the_chain_bit_for_bit(name, shapes, clip, steps, seed):
+       seed=st.integers(0, 2**16), grad_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_where_the_step_applies_it_is_the_chain_bit_for_bit(name, shapes, clip, steps, seed,
+                                                            grad_dtype):
+    """Gradients in the parameters' dtype, or in a reduce dtype (bfloat16) the update
+    converts first, as the chain does."""
     opt = with_policy(OPTIMIZERS[name](), clip_norm=clip, skip_nonfinite=False)
     chain_p, gated_p = _tree(shapes, seed), _tree(shapes, seed)
     chain_s, gated_s = opt.init(chain_p), opt.init(gated_p)
     g = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
-        grads = {k: torch.randn(v.shape, generator=g) for k, v in chain_p.items()}
+        grads = {k: torch.randn(v.shape, generator=g).to(grad_dtype)
+                 for k, v in chain_p.items()}
         norm = math.sqrt(sum(float((x.double() ** 2).sum()) for x in grads.values()))
         with measured(grads, norm, True):
             chain_p, chain_s = opt.update(grads, chain_s, chain_p, step=step)

@@ -245,12 +245,12 @@ UPDATES = {"adam": adam_update, "sgd": sgd_update}
 # ``x + 0``, ``x / inf = 0`` for finite ``x``). With ``eps == 0`` Adam's denominator may be
 # 0: its step is ``p + s * (m * ok) / (den + 1 - ok)`` instead. ``adamw(fused=True)`` runs
 # torch's fused kernel as the chain does, the verdict its ``found_inf`` (the kernel then
-# writes nothing). Three forms were timed side
-# by side (AdamW over the host-bound GPT's 100 leaves, CPU, ``python -m
-# benchmarks.update_candidates``; benchmarks/results/2026-11-27-cpu-eager-no-read.md): the
-# compiled step's function run op by op (a ``where`` per tensor) at 2.6x torch's foreach
-# update, the chain's ops out of place with each old tensor then chosen by a lerp at 2.1x,
-# and this one, in place, at 1.13x, as the chain itself (1.15x); it was kept.
+# writes nothing). Three forms were timed side by side (AdamW over the host-bound GPT's 100
+# leaves, CPU, ``python -m benchmarks.update_candidates``;
+# benchmarks/results/2026-11-27-cpu-eager-no-read.md): the compiled step's function run op
+# by op (a ``where`` per tensor) at 2.6x torch's foreach update, the chain's ops out of
+# place with each old tensor then chosen by a lerp at 2.1x, and this one, in place, at
+# 1.13x, as the chain itself (1.15x); it was kept.
 
 
 def _chunk(leaves: tuple, run: list, clip: bool, dev: torch.Tensor) -> tuple:
@@ -349,6 +349,7 @@ def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
             kinds.setdefault((leaf[1].device, leaf[1].dtype), []).append(leaf)
         for (device, _), run in kinds.items():
             gs, ps, ms, vs = (list(c) for c in zip(*run))
+            gs = [g.to(p.dtype) for g, p in zip(gs, ps)]  # (a reduce dtype's: the params')
             if t.clip is not None:
                 torch._foreach_mul_(gs, dev[0])
             steps = [torch.full((), float(n + 1), dtype=torch.float32, device=device)] * len(ps)
