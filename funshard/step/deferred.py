@@ -12,18 +12,19 @@ update gated on the device] in :mod:`funshard.optim.traced`), the same all-reduc
 the same sums, and the device works out what the host did: ``ok`` (the loss and norm
 finite, the ranks' gather orders and kinds of loss alike, and no earlier step refused and
 unread) and the clip factor. The update program applies the update where ``ok`` holds
-and keeps every tensor where it does not. The sums come to the host (from pinned memory on a GPU, without a wait)
-and are read at the first of: the caller reading ``metrics`` (any key), ``fs.state_dict``
-or a checkpoint of the returned state, and the start of the step after next (the step
-after next, so that the host waits there for a backward the device finished long before:
-the host stays a step ahead). A check that failed raises there, with the message a step
-that reads gives, on every rank at the same step; the state passed into the refused step is then
-usable again (its tensors kept their values on the device, the steps issued since skipped
-their updates too) and the states returned since refuse to be read. A rank whose loss
-reached some trainable leaf on no rank of its own reads the per-leaf flags at once (which
-leaves no rank reached), as a step that reads does. The buffers (``state.buffers``) take the
-step's working copies where ``ok`` holds, on the device too. A dynamic loss scale lives on
-the device as well ([Note: a loss scale on the device] in :mod:`funshard.step.scaling`).
+and keeps every tensor where it does not. The sums come to the host (from pinned memory on
+a GPU, without a wait) and are read at the first of: the caller reading ``metrics`` (any
+key), ``fs.state_dict`` or a checkpoint of the returned state, and the start of the step
+after next (the step after next, so that the host waits there for a backward the device
+finished long before: the host stays a step ahead). A check that failed raises there, with
+the message a step that reads gives, on every rank at the same step; the state passed into
+the refused step is then usable again (its tensors kept their values on the device, the
+steps issued since skipped their updates too) and the states returned since refuse to be
+read. A rank whose loss reached some trainable leaf on no rank of its own reads the
+per-leaf flags at once (which leaves no rank reached), as a step that reads does. The
+buffers (``state.buffers``) take the step's working copies where ``ok`` holds, on the
+device too. A dynamic loss scale lives on the device as well ([Note: a loss scale on the
+device] in :mod:`funshard.step.scaling`).
 
 [Note: two counts in doubt] Under ``Policy(skip_nonfinite=True)`` (or a dynamic loss scale,
 for an overflow) a non-finite step is skipped, not refused, and the optimizer does not
