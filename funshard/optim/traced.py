@@ -253,47 +253,58 @@ UPDATES = {"adam": adam_update, "sgd": sgd_update}
 # 1.13x, as the chain itself (1.15x); it was kept.
 
 
-def _chunk(leaves: tuple, run: list, clip: bool, dev: torch.Tensor) -> tuple:
+class _Gate(NamedTuple):
+    """The step's verdict on the device, in the forms the gated ops take, made once per
+    update: the clip factor (None: no clip), ``ok`` (1.0 or 0.0), and as booleans."""
+
+    gain: Optional[torch.Tensor]
+    ok: torch.Tensor
+    keep: torch.Tensor
+    drop: torch.Tensor
+
+    @staticmethod
+    def of(dev: torch.Tensor, clip: bool) -> "_Gate":
+        keep = dev[1] > 0
+        return _Gate(dev[0] if clip else None, dev[1], keep, ~keep)
+
+    def unless(self, x: float) -> torch.Tensor:
+        """``x`` where the step applies, else 1 (a device float32)."""
+        return torch.where(self.keep, x, 1.0).float()
+
+
+def _chunk(leaves: tuple, run: list, gate: _Gate) -> tuple:
     """A chunk's tensors, per kind (gradients, params, state...), its gradients in the params'
     dtypes times the clip factor (in place: the step's own gradients, not needed after)."""
     cols = tuple(zip(*(leaves[j] for j in run)))
     gs = [g.to(p.dtype) for g, p in zip(cols[0], cols[1])]
-    if clip:
-        torch._foreach_mul_(gs, dev[0])
+    if gate.gain is not None:
+        torch._foreach_mul_(gs, gate.gain)
     return cols, gs
 
 
-def _chosen(gs: list, dev: torch.Tensor, other) -> list:
+def _chosen(gs: list, gate: _Gate, other) -> list:
     """Each gradient (in place) where the step applies, else ``other``'s tensor (or 0)."""
-    keep = dev[1] > 0
     if other is None:
-        drop = ~keep
         for g in gs:
-            g.masked_fill_(drop, 0.0)
+            g.masked_fill_(gate.drop, 0.0)
         return gs
     for g, o in zip(gs, other):
-        torch.where(keep, g, o, out=g)
+        torch.where(gate.keep, g, o, out=g)
     return gs
 
 
-def _unless(dev: torch.Tensor, x: float) -> torch.Tensor:
-    """``x`` where the step applies, else 1 (a device float32)."""
-    return torch.where(dev[1] > 0, x, 1.0).float()
-
-
-def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch.Tensor,
-               clip: bool) -> None:
-    """:func:`adam_update`'s update as the chain's foreach ops, in place, gated on ``dev``
+def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Gate) -> None:
+    """:func:`adam_update`'s update as the chain's foreach ops, in place, gated on ``gate``
     ([Note: an update gated on the device]); ``rows``: the host's scalars per group."""
     b1, b2, eps = hyper
-    b2_ok, ok = _unless(dev, b2), dev[1]
+    b2_ok, ok = gate.unless(b2), gate.ok
     for (l2, decay), leaves, (_, s, bc2, shrink) in zip(static, groups, rows):
-        shrink_ok = _unless(dev, shrink) if decay else None
+        shrink_ok = gate.unless(shrink) if decay else None
         for run in chunks([leaf[1] for leaf in leaves]):
-            (_, ps, ms, vs), gs = _chunk(leaves, run, clip, dev)
+            (_, ps, ms, vs), gs = _chunk(leaves, run, gate)
             if l2:
                 gs = torch._foreach_add(gs, list(ps), alpha=l2)
-            gs = _chosen(gs, dev, ms)  # m where the step does not apply: lerp(m, m) = m
+            gs = _chosen(gs, gate, ms)  # m where the step does not apply: lerp(m, m) = m
             torch._foreach_lerp_(ms, gs, 1 - b1)
             torch._foreach_mul_(vs, b2_ok)
             torch._foreach_addcmul_(vs, gs, torch._foreach_mul(gs, ok), 1 - b2)
@@ -312,24 +323,23 @@ def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torc
             del den
 
 
-def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch.Tensor,
-              clip: bool) -> None:
-    """:func:`sgd_update`'s update as the chain's foreach ops, in place, gated on ``dev``."""
+def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Gate) -> None:
+    """:func:`sgd_update`'s update as the chain's foreach ops, in place, gated on ``gate``."""
     momentum, dampening, nesterov = hyper
-    mom_ok, ok = _unless(dev, momentum), dev[1]
+    mom_ok, ok = gate.unless(momentum), gate.ok
     for (l2, first), leaves, (_, lr) in zip(static, groups, rows):
         for run in chunks([leaf[1] for leaf in leaves]):
-            (_, ps, *bufs), gs = _chunk(leaves, run, clip, dev)
+            (_, ps, *bufs), gs = _chunk(leaves, run, gate)
             if l2:
                 gs = torch._foreach_add(gs, list(ps), alpha=l2)
             if not bufs:  # no momentum: p + lr * 0 = p where the step does not apply
-                torch._foreach_add_(ps, _chosen(gs, dev, None), alpha=lr)
+                torch._foreach_add_(ps, _chosen(gs, gate, None), alpha=lr)
                 continue
             if first:  # a leaf's first update: its buffer is its gradient (or stays)
-                gs = _chosen(gs, dev, bufs[0])
+                gs = _chosen(gs, gate, bufs[0])
                 torch._foreach_copy_(bufs[0], gs)
             else:
-                gs = _chosen(gs, dev, None)
+                gs = _chosen(gs, gate, None)
                 torch._foreach_mul_(bufs[0], mom_ok)
                 torch._foreach_add_(bufs[0], gs, alpha=1 - dampening)
             res = torch._foreach_add(gs, bufs[0], alpha=momentum) if nesterov else bufs[0]
@@ -337,12 +347,12 @@ def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, dev: torch
 
 
 def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
-                     dev: torch.Tensor) -> None:
+                     gate: _Gate) -> None:
     """``adamw(fused=True)``'s update: the chain's own fused kernel call ([Note: fused Adam]
     in :mod:`.apply`), one per group, device and dtype, with the device's verdict as its
     ``found_inf``: where the step does not apply the kernel writes nothing."""
     b1, b2, eps = t.hyper
-    lr, skip = lr_at(t.lr, step), 1 - dev[1]
+    lr, skip = lr_at(t.lr, step), 1 - gate.ok
     for (_, decay), leaves, n in zip(prep.static, groups, prep.counts):
         kinds: dict = {}
         for leaf in leaves:
@@ -350,8 +360,8 @@ def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
         for (device, _), run in kinds.items():
             gs, ps, ms, vs = (list(c) for c in zip(*run))
             gs = [g.to(p.dtype) for g, p in zip(gs, ps)]  # (a reduce dtype's: the params')
-            if t.clip is not None:
-                torch._foreach_mul_(gs, dev[0])
+            if gate.gain is not None:
+                torch._foreach_mul_(gs, gate.gain)
             steps = [torch.full((), float(n + 1), dtype=torch.float32, device=device)] * len(ps)
             torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=t.weight_decay if decay else 0.0, eps=eps,
@@ -365,10 +375,11 @@ def eager_update(t: Traced, prep: Prepared, groups: tuple, step: int,
                  dev: torch.Tensor) -> None:
     """The eager step's update of ``groups`` (:func:`leaves_of`), gated on ``dev`` (the clip
     factor, whether the step applies); ``prep`` made with no doubt (one case)."""
+    gate = _Gate.of(dev, t.clip is not None)
     if t.fused:
-        adam_fused_eager(t, prep, groups, step, dev)
+        adam_fused_eager(t, prep, groups, step, gate)
     else:
-        EAGER[t.kind](t.hyper, prep.static, groups, prep.scal[0], dev, t.clip is not None)
+        EAGER[t.kind](t.hyper, prep.static, groups, prep.scal[0], gate)
 
 
 def traceable(t: Optional[Traced]) -> bool:
