@@ -9,10 +9,11 @@ the plain step:
 - ``hooks``: the same work as FULL_SHARD with module hooks, FSDP2's mechanism at its
   leanest: each block's bfloat16 copy is cast in a forward pre-hook and freed (storage
   resized to 0) after its forward, recast when backward unpacks it;
-- ``stand_ins``: the same with no module hook, funshard's mechanism at its leanest: a
-  stand-in per parameter whose first op casts its group through one autograd Function and
-  binds it (swaps the stand-in with the full tensor), the previous group freed and unbound;
-  the same saved-tensor hooks; ``torch.optim.AdamW``;
+- ``stand_ins``: the same with no module hook, the stand-ins funshard bound until it
+  installed groups at their modules, at their leanest: a stand-in per parameter whose
+  first op casts its group through one autograd Function and binds it (swaps the stand-in
+  with the full tensor), the previous group freed and unbound; the same saved-tensor hooks;
+  ``torch.optim.AdamW``;
 - ``funshard``: ``fs.train_step`` (``Policy(param_dtype=bfloat16)``, ``fs.optim.adamw``).
 
 ``hooks`` and ``stand_ins`` must agree bit for bit (checked first); the gap between

@@ -200,9 +200,10 @@ def inductor_patch(options: dict):
 # either found or recorded in EAGER_MISSING (train_step refuses to build an eager step on a
 # torch without them, naming the version and the names: :func:`require_eager`):
 #
-# - ``torch._C._swap_tensor_impl``, ``torch.Tensor._use_count``: a stand-in becomes its
-#   gathered tensor and back, unless another holder has it ([Note: binding] in
-#   funshard.step.lazy); ``torch.Tensor._make_wrapper_subclass``, the stand-in itself;
+# - ``torch.Tensor._use_count``: a gathered tensor another holder has keeps its storage
+#   when its group is freed ([Note: rank-independent freeing] in funshard.step.group);
+#   ``torch.Tensor._make_wrapper_subclass``, the stand-in ([Note: stand-ins] in
+#   funshard.step.lazy);
 #   ``torch._C.DisableTorchFunctionSubclass``: its metadata read without its own hook;
 # - ``torch.autograd._unsafe_preserve_version_counter``: a freed group's storages refilled
 #   in place without autograd seeing a write;
@@ -216,7 +217,7 @@ def inductor_patch(options: dict):
 #   checkpointing's cache;
 # - ``torch._dynamo.eval_frame.skip_code``: the saved-tensor hooks never compiled;
 # - ``torch.utils.checkpoint``'s internals the step recognizes: ``CheckpointFunction``
-#   (a reentrant region: its forward's code, its backward node's class) and where a
+#   (a reentrant region saving its inputs) and where a
 #   non-reentrant region saves its inputs (``_CheckpointFrame.save_inputs``, torch 2.13;
 #   ``_NoopSaveInputs``, torch 2.11: either);
 # - and for shard / unshard: ``torch._C._functorch``'s wrapped-tensor check and transform
@@ -236,7 +237,6 @@ def _eager(path: str, *names: str):
 
 _import("torch.utils._python_dispatch")
 _import("torch._dynamo.eval_frame")
-swap_tensor_impl = _eager("torch._C", "_swap_tensor_impl")
 _eager("torch.Tensor", "_use_count")
 _eager("torch.Tensor", "_make_wrapper_subclass")
 DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
@@ -267,10 +267,6 @@ _import("torch.distributed.tensor._utils")
 compute_global_tensor_info = _eager("torch.distributed.tensor._utils",
                                     "compute_global_tensor_info")
 REENTRANT = _eager("torch.utils.checkpoint", "CheckpointFunction")
-REENTRANT_FORWARD = getattr(getattr(REENTRANT, "forward", None), "__code__", None)
-REENTRANT_NODE = getattr(REENTRANT, "_backward_cls", None)
-if REENTRANT is not None and (REENTRANT_FORWARD is None or REENTRANT_NODE is None):
-    EAGER_MISSING.append("torch.utils.checkpoint.CheckpointFunction.{forward,_backward_cls}")
 
 
 def require_eager(what: str) -> None:

@@ -2,7 +2,7 @@
 queue that wraps its ring, and ranks that start different collectives.
 
 Its numbers against gloo's collectives are tests/test_shard.py's exchange parity (property
-test, 2, 3, 4 ranks and 2x2); the step on it is tests/test_device.py's and test_binding.py's
+test, 2, 3, 4 ranks and 2x2); the step on it is tests/test_device.py's and test_stand_ins.py's
 ``transport="cma"`` cases and :func:`test_the_step_on_each_transport` below. The transport is
 opt-in: the ptrace permission it needs is taken only where a caller names it.
 """

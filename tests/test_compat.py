@@ -14,7 +14,7 @@ def test_nothing_is_missing_on_this_torch():
     assert _compat.EAGER_MISSING == [] and _compat.MISSING == []
     # the checkpoint internals the step recognizes: one of the two places, per torch
     assert _compat.SAVE_INPUTS is not None or _compat.NOOP_SAVE is not None
-    assert _compat.REENTRANT_NODE is not None and _compat.REENTRANT_FORWARD is not None
+    assert _compat.REENTRANT is not None
 
 
 @pytest.mark.parametrize("make", ["train_step", "eval_step"])

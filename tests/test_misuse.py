@@ -321,7 +321,7 @@ def unsupported(spec, what):
 UNSUPPORTED = {
     "checkpoint": "Call the module with fs.call(model, params, *args)",
     "checkpoint_reentrant": "Call the module with fs.call(model, params, *args)",
-    "custom_function": "a custom torch.autograd.Function's forward",
+    "custom_function": "was given to a torch.autograd.Function",
     "uncast_input": "met parameter '0.weight', cast to Policy(param_dtype=torch.bfloat16), and "
                     "a tensor of another dtype",
     "in_place": "loss_fn wrote into parameter '2.bias' in place",

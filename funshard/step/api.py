@@ -157,6 +157,8 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
                                                    loss_.share(loss, k), scale))
         if run.direct:
             params.leaves.check_unwritten(params)
+        else:
+            lazy.check_untaken(run)
     finally:
         run.finish()
     return loss, aux

@@ -153,13 +153,14 @@ def _cast(dt: torch.dtype, x: Any) -> Any:
 # stays resident until the module returns (FULL_SHARD then frees it as the next group is
 # gathered, or keeps it into backward when it is the last); the module's forward is
 # replaced for the call only, as Policy(checkpoint=) replaces it, and put back when the
-# micro-batch's backward is done. Every op inside, a custom autograd Function's included,
-# so receives plain gathered tensors: a Function is called with tensors, not with the torch
-# functions a stand-in sees, so a stand-in it is the first to touch could only be refused.
-# A parameter used outside its group's module (the rest group '', loss_fn's own use) is
-# gathered by its stand-in's first op, as before ([Note: binding] in .lazy); a Function
-# over such a parameter (a fused linear cross-entropy over ``lm_head.weight``) receives a
-# plain tensor once an op has used its group (the final norm before the head). In backward
+# micro-batch's backward is done; the group's full tensors are installed in the module
+# for its forward (running statistics stay stand-ins: batch_norm's in-place update must be
+# seen) and the module's own stand-ins are back when it returns (an in-place write into
+# the gathered tensors is refused when the group is freed: ``Group.check_unwritten``). Every op
+# inside, a custom autograd Function's included, so computes on plain gathered tensors at
+# a plain op's cost. A parameter used outside its group's module (the rest group '',
+# loss_fn's own use) stays its stand-in ([Note: stand-ins] in .lazy); a Function given one
+# as it is (a fused linear cross-entropy over ``lm_head.weight``) trains through it. In backward
 # the replaced forward runs only when a checkpoint region around the module's call
 # recomputes it: the module then computes with the group's gathered leaves, installed for
 # the call (:func:`recomputed`), those the recompute owns ([Note: recomputation]); a region
@@ -189,25 +190,28 @@ class _Entered:
         if run.backward:
             with install(self.module, recomputed(run, self.gi, self.leaves)):
                 return self.forward(*args, **kwargs)
-        enter_module(run, self.gi)
+        fulls = enter_module(run, self.gi, self.leaves)
         try:
-            return self.forward(*args, **kwargs)
+            with install(self.module, fulls, over=True):
+                return self.forward(*args, **kwargs)
         finally:
             leave_module(run, self.gi)
 
 
 @lazy.eager
-def enter_module(run, gi: int) -> None:
+def enter_module(run, gi: int, leaves: list) -> dict:
     """Group ``gi``'s module is entered in forward (see [Note: groups entered at their
-    module] in :mod:`.call`): the group is gathered and bound now, before the module's first
-    op, and stays resident until the module returns."""
+    module] in :mod:`.call`): the group is gathered now, before the module's first op, and
+    stays resident until the module returns. Returns its full tensors by name in the
+    module."""
     run.inside[gi] = run.inside.get(gi, 0) + 1
     group = run.groups[gi]
-    if group.resident or group.stands is None:
-        return
-    lazies = [x for x in group.stands if isinstance(x, lazy.LazyParam)]
-    if lazies:
-        lazy.gather_first(run, lazies, [gi])
+    if group.resident:
+        run.use([gi], new_op=True)
+    else:
+        lazy.gather_first(run, [group.stands[k] for _, k in leaves], [gi])
+    stats = run.params.running_stats[gi]  # stay stand-ins (see lazy._refuse_running_stats)
+    return {name: group.fulls[k] for name, k in leaves if k not in stats}
 
 
 @lazy.eager
@@ -311,8 +315,7 @@ def _checkpointed(forward, *args, **kwargs):
 
 def _regathered(run: Run, gi: int, forward, *args, **kwargs):
     """A checkpointed group's forward. Recomputed in backward, it uses its group first: every
-    rank gathers the group here (also where a leaf is demoted: [Note: demoted leaves] in
-    .binding)."""
+    rank gathers the group here."""
     if run.backward:
         with recompute.own_ops(False), torch.no_grad():
             run.use([gi], new_op=True)

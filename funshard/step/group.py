@@ -35,7 +35,7 @@ when backward needs them. One group's life in a FULL_SHARD step::
 (NCCL ranks that disagree hang, or read each other's bytes). A leaf held elsewhere (one
 rank's profiler, a view, an uncollected cycle) is freed for the collectives all the same:
 its group goes SHARDED and gathers again as on every rank, into the held storage it keeps,
-at the same op as every rank ([Note: demoted leaves] in :mod:`.binding`).
+at the same op as every rank.
 
 Autograd holds the step's run through ``ctx`` objects (run -> gathered tensor -> grad_fn
 -> ctx -> run), a cycle through C++ that Python's collector cannot see: the step breaks it
@@ -49,8 +49,7 @@ import enum
 import torch
 
 from .. import _compat, collectives
-from .binding import Binding
-from .lazy import LazyParam
+from .lazy import LazyParam, in_place_error
 from .params import ParamGroups
 
 
@@ -79,7 +78,7 @@ class IllegalTransition(RuntimeError):
     """A group was asked to move between two states that do not follow: a funshard bug."""
 
 
-class Group(Binding):
+class Group:
     """Group ``gi`` in one micro-batch: its gathered tensors and where they stand.
 
     ``storage`` maps the data pointer of every gathered storage to ``(group, leaf)``, for
@@ -103,12 +102,9 @@ class Group(Binding):
         self.held = 0  # bytes of gathered storages this group holds
         self.next_prefetched = False  # backward has prefetched the group after this one
         self.versions = None  # autograd version counters to restore after a refill
+        self.written: list | None = None  # the full tensors' versions when first made
         self.to_regather: list[int] = []  # leaves freed while PARTIAL, gathered again on use
-        # the objects loss_fn holds (see [Note: binding] in .lazy): while leaf k is bound,
-        # stands[k] *is* its full tensor and lazies[k] holds the stand-in's empty shell
-        self.stands: list | None = None
-        self.lazies: list | None = None
-        self.bound_version: list[int] = [0] * len(self.idx)
+        self.stands: list | None = None  # the stand-ins loss_fn holds (see .lazy)
         self.ended = False  # backward is done with it (its gradients are complete)
         self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
         self.local = collectives.skips(params.world)  # a world of one: a gather is a cast (_cast)
@@ -184,13 +180,14 @@ class Group(Binding):
         leaf backward dropped), for a gather to write into."""
         p, outs = self.params, []
         for k in leaves:
-            b = self.base(k)
+            b = self.bases[k]
             if b is None:  # dropped in backward (see drop): a fresh storage
                 i = self.idx[k]
                 lay = p.layouts[i]
                 b = self.bases[k] = torch.empty(lay.padded_shape, dtype=p.dtypes[i],
                                                 device=self.shards[i].device)
                 self.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
+                self.written[k] = b._version  # (the gather into it keeps it: below)
             b.untyped_storage().resize_(b.numel() * b.element_size())
             outs.append(b)
         # Autograd saved these tensors; refilling them is not a mutation it must see: their
@@ -220,8 +217,9 @@ class Group(Binding):
         micro-batch's backward is done (:meth:`Run.finish`).
 
         The shards are the state's own tensors: autograd refuses a write into a trainable
-        leaf before it lands, but a write into a frozen one lands in the state before the
-        step finds it (when the group is unbound) and refuses the step. (A view made under
+        leaf before it lands, and so does the stand-in into a frozen one; inside its
+        module's call one lands in the state before the step finds it (as the module
+        returns: ``call.check_unwritten``) and refuses the step. (A view made under
         no_grad of a leaf that requires grad would be refused too, but autograd then
         computes the frozen weight's gradient: a matmul per frozen linear.)
 
@@ -231,6 +229,7 @@ class Group(Binding):
                       self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
                       for i in self.idx]
         self.bases = list(self.fulls)
+        self.written = [f._version for f in self.fulls]
         self.move(S.ALIASED)
 
     def gather(self) -> tuple[torch.Tensor, ...]:
@@ -257,11 +256,12 @@ class Group(Binding):
             i = self.idx[k]
             fulls[k] = bases[k] = self.shards[i].detach().to(self.params.dtypes[i], copy=True)
         self.bases, self.fulls = bases, fulls
+        self.written = [f._version for f in fulls]
 
     def _hold(self, leaves: list[int]) -> None:
         """``leaves`` are gathered: count their bytes, map their storages for the hooks."""
         for k in leaves:
-            st = self.base(k).untyped_storage()
+            st = self.bases[k].untyped_storage()
             self.held += st.nbytes()
             if st.data_ptr():
                 self.storage[st.data_ptr()] = (self, k)
@@ -287,14 +287,26 @@ class Group(Binding):
 
     # freeing -----------------------------------------------------------------------
 
+    def check_unwritten(self) -> None:
+        """No op wrote into a full tensor in place (``F.embedding(max_norm=)`` renormalizing
+        its rows, a module clipping its own weight): the write went to the gathered copy and
+        would be lost (on one rank with no cast it landed in the state). Refill in backward
+        keeps the versions (:meth:`_refill`)."""
+        for k, v in enumerate(self.written or ()):
+            full = self.fulls[k]
+            if full is not None and full._version != v:
+                raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
+                                     landed=self.aliased)
+
     def free_leaves(self, leaves: list[int]) -> None:
         """Free ``leaves`` of a GATHERED group (PARTIAL: gathered again on unpack)."""
         if self.pinned and not self.ended:
             return
+        self.check_unwritten()
         leaves = [k for k in leaves if self.bases[k] is not None]
-        kept = self._unbind_for_free(leaves)
+        kept = self._held(leaves)
         for k in leaves:
-            st = self.base(k).untyped_storage()
+            st = self.bases[k].untyped_storage()
             self.storage.pop(st.data_ptr(), None)
             self.held -= st.nbytes()
             if k not in kept:
@@ -307,31 +319,33 @@ class Group(Binding):
     def free(self) -> None:
         """Resident -> SHARDED: gathered storages resized to 0 bytes, but held ones ([Note:
         rank-independent freeing]); ALIASED and pinned groups stay."""
+        if self.state is S.ALIASED:
+            self.check_unwritten()
         if self.state in (S.SHARDED, S.GATHERING, S.ALIASED):
             return
         if self.state is S.PARTIAL_GATHERING:  # leaves on their way into its storages
             self.finish_gather()
         if self.pinned and not self.ended:
             return  # the caller's hooks may hold its storages (the same on every rank)
-        kept = self._unbind_for_free(range(len(self.idx)))
+        self.check_unwritten()
+        kept = self._held(range(len(self.idx)))
         for k in self.sharded:
             if self.bases[k] is not None:
-                st = self.base(k).untyped_storage()
+                st = self.bases[k].untyped_storage()
                 self.storage.pop(st.data_ptr(), None)
                 if k not in kept:
                     st.resize_(0)
         self.held, self.to_regather = 0, []
         self.move(S.SHARDED)
 
-    def _unbind_for_free(self, leaves) -> set[int]:
-        """Unbind ``leaves``; those whose storage stays: held elsewhere, or kept bound."""
-        kept = set()
-        for k in leaves:
-            full = self.fulls[k]  # bound: the stand-in object itself (see bind_all)
-            held = full is not None and full._use_count() > 1  # before the swap
-            if not self.unbind(k, held_ok=True) or held:
-                kept.add(k)
-        return kept
+    def _held(self, leaves) -> set[int]:
+        """Of ``leaves``, those whose full tensor is held elsewhere: their storage stays."""
+        return {k for k in leaves
+                if (full := self.fulls[k]) is not None and full._use_count() > 1}
+
+    def full(self, k: int) -> torch.Tensor | None:
+        """Leaf ``k``'s full tensor, for an op on its stand-in."""
+        return self.fulls[k]
 
     def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.
@@ -341,7 +355,7 @@ class Group(Binding):
         when that node's saved tensors are released. A stray later unpack still holds it.
         """
         b = self.bases[k]
-        if b is None or self.state is S.ALIASED or not self.unbind(k, held_ok=True):
+        if b is None or self.state is S.ALIASED:
             return
         self.storage.pop(b.untyped_storage().data_ptr(), None)
         self.held -= b.untyped_storage().nbytes()
@@ -349,15 +363,9 @@ class Group(Binding):
 
     def release(self) -> None:
         """Drop every tensor (see [Note: a group's life] on the autograd cycle)."""
-        if self.lazies is not None:
-            for k in range(len(self.idx)):
-                try:
-                    self.unbind(k)
-                except RuntimeError:
-                    pass  # the step is over: what it raised about was raised before
         for k, stand in enumerate(self.stands or ()):
             if isinstance(stand, LazyParam):  # one that escaped loss_fn: inert from now on
                 stand._run, stand._gi = None, self.params.layouts[self.idx[k]].path
-        self.stands = self.lazies = None
+        self.stands = None
         self.fulls = self.bases = self.grads = self.pending = None
         self.shards = []

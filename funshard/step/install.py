@@ -61,21 +61,23 @@ class Plan:
                        len(m._parameters), len(m._buffers)) for m in mods.values()]
         self.held = [(where, key, t, full) for full, (where, key, t) in places.items()]
 
-    def valid(self) -> bool:
+    def valid(self, same_tensors: bool = True) -> bool:
+        """The module tree has its shape, and (``same_tensors``) every place holds the tensor
+        the plan was made from."""
         for ref, children, n_params, n_buffers in self.shape:
             m = ref()
             if (m is None or len(m._parameters) != n_params or len(m._buffers) != n_buffers
                     or len(m._modules) != len(children)
                     or any(a is not b() for a, b in zip(m._modules.values(), children))):
                 return False
-        return all(where.get(key) is t for where, key, t, _ in self.held)
+        return not same_tensors or all(where.get(key) is t for where, key, t, _ in self.held)
 
 
-def plan_for(module: torch.nn.Module, names: tuple) -> Plan:
+def plan_for(module: torch.nn.Module, names: tuple, over: bool = False) -> Plan:
     plans = _PLANS.setdefault(module, {})
-    plan = plans.get(names)
-    if plan is None or not plan.valid():
-        plan = plans[names] = Plan(module, names)
+    plan = plans.get((names, over))
+    if plan is None or not plan.valid(same_tensors=not over):
+        plan = plans[(names, over)] = Plan(module, names)
     return plan
 
 
@@ -86,13 +88,16 @@ def own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             for _, _, t, full in plan.held]
 
 
-def install(module: torch.nn.Module, tensors: dict):
+def install(module: torch.nn.Module, tensors: dict, over: bool = False):
     """A context manager: ``tensors`` (``{fqn: tensor}``) in place of ``module``'s own
     parameters and buffers, tied names tied, until exit; what the module rebound meanwhile
-    is written back into ``tensors`` (as ``functional_call`` does)."""
+    is written back into ``tensors`` (as ``functional_call`` does). ``over``: ``module`` is
+    a submodule of one an installation of this step holds (a group module's gathered
+    tensors over its stand-ins): that installation checked the places, whose tensors are
+    new each step, so the plan is checked against the module tree's shape only."""
     # under torch.compile, torch's own path, which dynamo knows (a plan's weak mapping and
     # checks would break its graph; the compiled code does not run them again anyway)
-    plan = None if _compiling() else plan_for(module, tuple(tensors))
+    plan = None if _compiling() else plan_for(module, tuple(tensors), over)
     if plan is None or not plan.ok:
         return _compat.reparametrize(module, tensors, tie_weights=True)
     return _Installed(plan, tensors)

@@ -1,44 +1,39 @@
-"""How a parameter reaches ``loss_fn``: a stand-in per parameter that *becomes* its gathered
-tensor, and the autograd nodes a group enters the graph through.
+"""How a parameter reaches ``loss_fn``: a stand-in per parameter whose ops compute with its
+group's gathered tensor, and the autograd nodes a group enters the graph through.
 
-[Note: binding]
+[Note: stand-ins]
 
-Inside the step every parameter ``loss_fn`` sees starts as a :class:`LazyParam`: the
-parameter's full shape and compute dtype, no storage. The first torch function that
-touches one asks the run to make its group resident (one all-gather for the whole group)
-and then *binds* every leaf of the group: the stand-in object swaps its C++ tensor with the
-gathered full tensor (``torch._C._swap_tensor_impl``, as ``torch.utils.swap_tensors``
-does), so the very object ``loss_fn`` and the model hold is, from then on, a plain tensor.
-Every later op on it costs what an op on a plain tensor costs, custom autograd Functions
-receive plain tensors, and compiled code sees plain tensors. When the run frees the group
-it swaps back (the object is an empty stand-in again, and the next op gathers again); a
-leaf whose full tensor something else still holds stays gathered instead (correct, never
-freed under a reader). Autograd's saved copies of a bound leaf are detached by the pack
-hook (:mod:`.saved`), so autograd never holds the object's own tensor.
+Inside the step every parameter ``loss_fn`` sees is a :class:`LazyParam`: the parameter's
+full shape and compute dtype, no storage. Inside ``fs.call`` a group module's forward runs
+with its group gathered and the group's full tensors installed in the module for the call
+([Note: groups entered at their module] in :mod:`.call`): every op there, a custom
+autograd Function's included, computes on plain tensors, at a plain op's cost. Anywhere
+else (``loss_fn``'s own ops on its params, a module that is no group's, a weight tied
+across groups) the stand-in stays: each torch function that touches it asks the run to make
+its group resident (the group's first use gathers it with one all-gather) and computes with
+the group's full tensor in its place. The stand-in object never changes: nothing is
+swapped, so what a caller, a profiler or compiled code holds stays what it was, and an op
+on a freed group's stand-in simply gathers it again.
 
-Why, measured (2026-11-23, this 2-core CPU, world of one, thread CPU time per step, median
-of 100): the alternative runs *every* op that touches a parameter through
-``__torch_function__`` (optree flatten/unflatten of its arguments). On a loss with 150 such
-ops (a 50-step recurrence over two weights) the step takes 2.29-2.30x the plain step with it,
-1.42-1.48x with binding; on a tiny 8-block GPT (about 6 such ops per block) both were
-1.78-1.87x (the rest is the step's per-group work, not per op). And only binding gives
-custom Functions, compiled code and recomputation a plain tensor.
+A custom autograd Function given a stand-in as it is (``Function.apply`` is no torch
+function, so the step does not see the call) computes with it through its ops, each of
+which sees the full tensor, and autograd takes the stand-in for a leaf of its own: its
+gradient accumulates in the stand-in's ``.grad``, which the run adds to the group's
+gradients when backward is done with the group (:func:`taken`; autograd accumulates a
+leaf's gradient as soon as it is computed). One that comes later (the Function is the
+group's only use, or its first in backward's order) is refused by name after backward,
+before anything is updated (:func:`check_untaken`). Activation checkpointing's recompute:
+[Note: recomputation] in :mod:`.recompute`.
 
-Limits: a custom autograd Function that is the *first* to touch a trainable parameter
-outside its group's module (:mod:`.call` gathers a group module's group as it is entered)
-receives the stand-in itself (``Function.apply`` is not a torch function), and autograd
-captures it as a leaf of its own; that is refused by name (its forward runs under no_grad,
-or it saves the stand-in). Give it a parameter whose group an earlier op has used, or use
-the parameter through plain torch ops first. A frozen one is fine. Activation
-checkpointing's recompute: [Note: recomputation] in :mod:`.recompute`. Under
-``torch.profiler`` with ``record_shapes`` or ``with_stack``, the profiler holds a C++ weak
-reference to each op's inputs and each called module's parameters, and torch swaps no
-tensor that has one: such a leaf keeps its storage until the step ends, while its group is
-freed and gathered as on a rank that does not profile, and its next op is seen as a
-stand-in's (the same numbers and collectives: [Note: rank-independent freeing] in
-:mod:`.group`, [Note: demoted leaves] in :mod:`.binding`; on the tiny host-bound GPT, 9
-groups' memory at the peak with with_stack, 1 with record_shapes alone, 1 without).
-Profile memory with ``profile_memory`` alone.
+Why not make the stand-in object *become* its gathered tensor at its group's first use
+(swapping its C++ tensor, as ``torch.utils.swap_tensors`` does, so that later ops outside
+group modules cost nothing): that needs torch's private swap and use counts, fails where a
+profiler holds a weak reference to the tensor (a second mechanism then), and leaves ops on
+the swapped object unseen, so a freed group, the caller's saved-tensor hooks and a
+recompute each needed their own repair. Measured 2026-11-27 (this 2-core CPU, runs
+alternated against the swapping tree): ``benchmarks.host_floor`` 1.63-1.75x the plain step
+against 1.65-1.70x, shapes A, B, C the same collectives and live-tensor peaks
+(``benchmarks/results/2026-11-27-cpu-stand-ins.md``).
 
 A group's first gather in a micro-batch goes through :class:`Gather`, whose backward hands
 the group's gradients to the run; on a mesh, each trainable leaf with a large gradient
@@ -71,18 +66,13 @@ _METADATA = {
 }
 
 
-def _scan(run_of, values, lazies: list, gis: list) -> None:
-    """The stand-ins among ``values`` (one level of lists and tuples deep) and the groups of
-    bound leaves among them (an op that touches them must not free them)."""
+def _scan(values, lazies: list) -> None:
+    """The stand-ins among ``values`` (one level of lists and tuples deep)."""
     for x in values:
         if isinstance(x, LazyParam):
             lazies.append(x)
         elif isinstance(x, (list, tuple)):
-            _scan(run_of, x, lazies, gis)
-        elif run_of is not None and type(x) is torch.Tensor:
-            gi = run_of.bound_group(x)
-            if gi is not None:
-                gis.append(gi)
+            _scan(x, lazies)
 
 
 class LazyParam(torch.Tensor):
@@ -102,7 +92,7 @@ class LazyParam(torch.Tensor):
         if func in _METADATA:
             with _compat.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        return _first_use(func, args, kwargs)
+        return _on_stand_ins(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -121,7 +111,7 @@ class LazyParam(torch.Tensor):
 
 def eager(fn):
     """``fn`` runs eagerly under torch.compile: a compiled loss_fn breaks its graph here (the
-    group's gather and binding), and compiles the compute between."""
+    group's gather), and compiles the compute between."""
     return torch.compiler.disable(fn)
 
 
@@ -137,11 +127,11 @@ def untraced(fn):
 
 # (A stand-in compiled code keeps past its step is inert: see Group.release.)
 @eager
-def _first_use(func, args: tuple, kwargs: dict):
-    """An op touches a stand-in: gather and bind its group, then run the op."""
+def _on_stand_ins(func, args: tuple, kwargs: dict):
+    """An op touches stand-ins: their groups made resident, the op runs on their full tensors."""
     lazies: list[LazyParam] = []
-    _scan(None, args, lazies, [])
-    _scan(None, kwargs.values(), lazies, [])
+    _scan(args, lazies)
+    _scan(kwargs.values(), lazies)
     if not lazies:
         return func(*args, **kwargs)
     run = lazies[0]._run
@@ -156,24 +146,19 @@ def _first_use(func, args: tuple, kwargs: dict):
         return _recomputed(run, func, args, kwargs, lazies)
     if func is F.batch_norm:
         _refuse_running_stats(args, kwargs)
-    gis = [x._gi for x in lazies]
-    path = path_of(lazies[0])  # before binding turns it into a plain tensor
-    writes = _writes_into(func, args, kwargs, lazies)  # (before any is substituted)
-    _scan(run, args, [], gis)  # bound leaves this op also reads
-    _scan(run, kwargs.values(), [], gis)
-    gather_first(run, lazies, gis, checked=func is not torch.Tensor.detach)
-    if any(isinstance(x, LazyParam) for x in lazies):  # a leaf that could not bind
-        args = _substitute(run, args)
-        kwargs = dict(zip(kwargs, _substitute(run, kwargs.values())))
+    if _writes_into(func, args, kwargs, lazies):
+        raise in_place_error(path_of(lazies[0]), func)
+    gather_first(run, lazies, [x._gi for x in lazies], checked=func is not torch.Tensor.detach)
+    args = _substitute(run, args)
+    kwargs = dict(zip(kwargs, _substitute(run, kwargs.values())))
     try:
         return func(*args, **kwargs)
     except RuntimeError as e:  # said as what the op did, never read from torch's words
-        if writes:  # autograd forbids it for a trainable one
-            raise in_place_error(path, func) from e
         dt = run.policy.param_dtype
         if dt is not None and _other_dtype(args, kwargs.values(), dt):
             raise RuntimeError(
-                f"train_step: {getattr(func, '__name__', func)} met parameter {path!r}, cast "
+                f"train_step: {getattr(func, '__name__', func)} met parameter "
+                f"{path_of(lazies[0])!r}, cast "
                 f"to Policy(param_dtype={dt}), and a tensor of another dtype ({e}). Call the "
                 "model with fs.call(model, params, *args), which casts floating-point inputs "
                 "to it (as FSDP2's cast_forward_inputs), or cast them yourself.") from e
@@ -181,11 +166,11 @@ def _first_use(func, args: tuple, kwargs: dict):
 
 
 def gather_first(run, lazies: list, gis: list, checked: bool = True) -> None:
-    """Gather and bind groups ``gis`` for a first use of ``lazies`` (the stand-ins met), once
+    """Make groups ``gis`` resident for an op on ``lazies`` (the stand-ins met), once
     the use is one the step can follow (``checked``: refused by name where not)."""
     grad = _refuse_unsupported(run, lazies) if checked else False
     with recompute.own_ops(grad):
-        run.use(gis, new_op=True)  # gathers and binds: the stand-ins are now plain tensors
+        run.use(gis, new_op=True)
 
 
 # the in-place forms of Python's operators (an in-place torch method's name ends in "_")
@@ -212,14 +197,7 @@ def _other_dtype(args, more, dt: torch.dtype) -> bool:
 
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
     """An op of a forward that backward recomputes touches stand-ins: it gets the gathered
-    leaves, which the recompute then owns (:meth:`Run.recompute_leaf`). A reentrant region's
-    recompute builds the graph backward goes through: a custom Function there that is the
-    first to touch a trainable stand-in took it as an autograd leaf of its own (refused)."""
-    if (not torch.is_grad_enabled() and any(x.requires_grad for x in lazies)
-            and recompute.in_reentrant_recompute() and recompute.in_function_forward()):
-        raise function_first(path_of(lazies[0]), " recomputed by a "
-                             "torch.utils.checkpoint(use_reentrant=True) region inside its "
-                             "module (use use_reentrant=False, or checkpoint the module's call)")
+    leaves, which the recompute then owns (:meth:`Run.recompute_leaf`)."""
     with recompute.own_ops(False), torch.no_grad():  # the step's own work is not recomputed
         run.use([x._gi for x in lazies], new_op=True)
         args = _substitute(run, args, recompute=True)
@@ -232,44 +210,58 @@ def path_of(x) -> str:
 
 
 def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
-    """A first use the step cannot follow is refused by name, not trained wrong: in a custom
-    autograd Function's forward (it received the stand-in itself: the parameter's gradient
-    would bypass the step's reduction). Elsewhere under no_grad (the user's own, a reentrant
-    checkpoint region's forward) the op just takes no gradient. Under the caller's own
-    saved-tensor hooks the step's go over them ([Note: hooks beneath the step's] in
-    :mod:`.saved`). Returns whether the group must enter autograd under grad mode (the op
-    runs under no_grad)."""
+    """Under the caller's own saved-tensor hooks the step's go over them ([Note: hooks
+    beneath the step's] in :mod:`.saved`), or the use is refused by name where torch offers
+    no way to. Returns whether the group must enter autograd under grad mode (the op runs
+    under no_grad: the user's own, a Function's forward, a reentrant checkpoint region's;
+    the op takes no gradient, the group's other uses do)."""
     top = run.saved.foreign_top()
     if top is not None:
-        if recompute.is_checkpoint_hook(top[0]):  # a region's forward: a Function's inside it
-            run.checkpointing = True  # is refused below all the same
+        if recompute.is_checkpoint_hook(top[0]):  # a region's forward
+            run.checkpointing = True
         elif not run.saved.adopt(top):
             raise NotImplementedError(
                 f"train_step: parameter {path_of(lazies[0])!r} was first used under "
                 "saved-tensor hooks other than the step's (this torch has no way to put the "
                 "step's over them); use it once before entering them.")
-    if torch.is_grad_enabled():
-        return False
-    # the group enters autograd with grad on all the same (its other leaves may train)
-    if not any(x.requires_grad for x in lazies):
-        return True
-    if recompute.in_reentrant_forward():
-        run.checkpointing = True
-        return True
-    if not recompute.in_function_forward():  # the user's own no_grad: this op takes no grad
-        return True
-    raise function_first(path_of(lazies[0]))
+    return not torch.is_grad_enabled()
 
 
-def function_first(path: str, where: str = "") -> NotImplementedError:
+def function_first(path: str) -> NotImplementedError:
     return NotImplementedError(
-        f"train_step: parameter {path!r} was first used under a custom "
-        f"torch.autograd.Function's forward{where}, where the step cannot follow it: the Function "
-        "would take the parameter past the step's gradient reduction. Use the parameter "
-        "through a plain torch op first (a Function then receives a plain tensor), call its "
-        "module through fs.call (its group is gathered as the module is entered), or "
-        "p.detach() to use it without its gradient."
+        f"train_step: parameter {path!r} was given to a torch.autograd.Function (a custom "
+        "one, or torch.utils.checkpoint with use_reentrant=True) as it is, outside its "
+        "group's module, and its gradient came after backward had handed on its group's "
+        "(nothing was updated). Give the Function a tensor a torch op made of it "
+        "(p.view_as(p)), call its module through fs.call (its group is gathered as the "
+        "module is entered), or pass p.detach() to use it without its gradient."
     )
+
+
+def taken(group, grads: list) -> None:
+    """Into ``grads`` (per leaf of ``group``, None where none), the gradients its stand-ins
+    took themselves, added; the stand-ins let go of them. A stand-in takes one where a
+    custom ``autograd.Function`` was given it as it is (``Function.apply`` is no torch
+    function: the Function computes with the stand-in's own ops, each of which sees the
+    group's full tensor, and autograd holds the stand-in as a leaf of its own). Autograd
+    accumulates a leaf's gradient as soon as it is computed, so it is there when backward
+    is done with the group, unless the Function is the group's first use in backward's
+    order (:func:`check_untaken` refuses that)."""
+    with _compat.DisableTorchFunctionSubclass():
+        for k, x in enumerate(group.stands or ()):
+            if x.requires_grad and (g := x.grad) is not None:
+                x.grad = None
+                grads[k] = g if grads[k] is None else grads[k] + g
+
+
+def check_untaken(run) -> None:
+    """After a micro-batch's backward: no stand-in holds a gradient :func:`taken` did not
+    take (one that came after its group's gradients were handed on): refused by name."""
+    with _compat.DisableTorchFunctionSubclass():
+        for g in run.groups:
+            for x in g.stands or ():
+                if x.requires_grad and x.grad is not None:
+                    raise function_first(path_of(x))
 
 
 def _substitute(run, values, recompute: bool = False) -> list:
@@ -327,7 +319,6 @@ def stand_ins(run, params, shards: list[torch.Tensor], *,
     run.stand_group = {id(x): (params.group_of[i], params.pos[i]) for i, x in enumerate(out)}
     for g in run.groups:
         g.stands = [out[i] for i in g.idx]
-        g.lazies = [None] * len(g.idx)
     return out
 
 

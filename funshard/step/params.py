@@ -46,9 +46,10 @@ class ParamGroups:
         self.grad_pos = [[k for k, i in enumerate(idx) if self.trainable[i]]
                          for idx in self.members]
         self.slot = [{k: j for j, k in enumerate(pos)} for pos in self.grad_pos]
-        # running statistics put into the sharded tree are never bound: batch_norm writes
-        # them in place without a version bump, so only the stand-in can see (and refuse) it
-        self.unbindable = [{k for k, i in enumerate(idx)
+        # running statistics put into the sharded tree stay stand-ins in their module's call:
+        # batch_norm writes them in place without a version bump, so only the stand-in can
+        # see (and refuse) it
+        self.running_stats = [{k for k, i in enumerate(idx)
                             if names[i].rsplit(".", 1)[-1] in STATS}
                            for idx in self.members]
         self.dtypes = [policy.compute_dtype(n, leaf.dtype) for n, leaf in zip(names, leaves)]

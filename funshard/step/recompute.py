@@ -12,9 +12,10 @@ that train as one process would, with no extra all-gather:
   until the micro-batch's backward ends. A recompute that reads a module's own
   ``nn.Parameter`` anyway is refused by :class:`RecomputeGuard`, a torch function mode over
   backward, only when the forward checkpointed (:func:`checkpointed`).
-- *Seeing it.* In backward the stand-ins are never bound (:meth:`Run.end_forward` unbinds
-  the ones still bound after a checkpointing forward), so every recomputed op that touches
-  a parameter comes through ``__torch_function__`` (``lazy._recomputed``): the group is made
+- *Seeing it.* Outside a group module's call the parameters are stand-ins, so every
+  recomputed op that touches one comes through ``__torch_function__``
+  (``lazy._recomputed``), and a group module recomputed through its call installs the
+  leaves the recompute owns (``call.recomputed``): the group is made
   resident as backward needs it anyway (FULL_SHARD: its one backward gather; the recompute
   happens when backward reaches the region, where the group is due).
 - *Owning what it saves.* The recompute's saved tensors are not seen by the step's hooks
@@ -29,22 +30,19 @@ enters the group under grad mode) and backward through a nested graph that reach
 group's Tap and Gather: right when the group lives inside the region (a block), refused by
 name (:func:`ended_twice`) when it is also used outside, whose gradients would come after
 the group's hand-off. Selective checkpointing's dispatch modes do not see the step's own
-gather and binding (:func:`own_ops`).
+gather (:func:`own_ops`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
 from .. import _compat
 
-# torch.utils.checkpoint's pieces the step recognizes (private; feature-detected): the
-# non-reentrant region's hooks, the reentrant region's forward, selective checkpointing's
-# dispatch modes
-_REENTRANT_FORWARD, _REENTRANT_NODE = _compat.REENTRANT_FORWARD, _compat.REENTRANT_NODE
+# selective checkpointing's dispatch modes (private classes, recognized by name; the mode
+# stack through funshard._compat)
 _SAC_MODES = frozenset({"_CachingTorchDispatchMode", "_CachedTorchDispatchMode"})
 _dispatch_stack = _compat.dispatch_mode_stack or list
 
@@ -53,40 +51,8 @@ def is_checkpoint_hook(pack) -> bool:
     return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")
 
 
-_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
-
-
-def _on_stack(code) -> bool:
-    """Whether ``code`` runs in a frame of the calling stack (walked only on a first use of
-    a trainable parameter under no_grad)."""
-    f = sys._getframe(2)
-    while f is not None and code is not None:
-        if f.f_code is code:
-            return True
-        f = f.f_back
-    return False
-
-
-def in_reentrant_forward() -> bool:
-    """True inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward."""
-    return _on_stack(_REENTRANT_FORWARD)
-
-
-def in_reentrant_recompute() -> bool:
-    """True in backward while a reentrant region's forward is recomputed (the node running
-    is ``CheckpointFunction``'s backward)."""
-    node = _compat.current_autograd_node()
-    return node is not None and _REENTRANT_NODE is not None and isinstance(node, _REENTRANT_NODE)
-
-
-def in_function_forward() -> bool:
-    """True inside a custom ``torch.autograd.Function``'s forward (``Function.apply``)."""
-    return _on_stack(_FUNCTION_APPLY)
-
-
-
 def own_ops(grad: bool):
-    """The step's gather and binding, kept out of a selective-checkpointing region's op
+    """The step's gather and frees, kept out of a selective-checkpointing region's op
     cache (its dispatch modes would record or replay them), with grad on where the op runs
     under no_grad (a group's first gather enters autograd). Nothing to do (no dispatch
     mode, grad already on) is the usual case: a shared empty context then."""

@@ -62,11 +62,6 @@ class Run:
         self.reinstalled_ids: set[int] = set()  # the tensors of its installations
         self.inside: dict[int, int] = {}  # groups whose module's forward runs: its depth
 
-    def bound_group(self, x) -> int | None:
-        """The group of ``x`` if it is one of this run's stand-ins (bound: a plain tensor)."""
-        hit = self.stand_group.get(id(x))
-        return None if hit is None else hit[0]
-
     @property
     def kept(self) -> int | None:
         s = self.params.schedule
@@ -102,12 +97,10 @@ class Run:
                         self.groups[g].free()
         else:
             self.active.extend(g for g in gis if g not in self.active)
-        entered: list[Group] = []
         for gi in dict.fromkeys(gis):
             group = self.groups[gi]
             if group.resident:
                 continue
-            entered.append(group)
             self._note_seen(gi)
             if group.fulls is None:  # first use in this micro-batch: enters autograd here
                 lazy.enter(self, group)
@@ -120,9 +113,6 @@ class Run:
                 self.gather(group)
             if not self.backward:  # the next group's gather overlaps this group's forward
                 self._prefetch()
-        if not self.backward:  # in backward stand-ins stay unbound: a recompute is seen
-            for group in entered:
-                group.bind_all()
 
     def _note_seen(self, gi: int) -> None:
         seen, order = self.seen[self.backward], self.order(self.backward)
@@ -174,6 +164,8 @@ class Run:
         self.grads.wait(keep_newest=1)
         self.prefetch_after(group)  # if unpacking did not already
         pos = self.params.grad_pos[group.gi]  # a tapped leaf gives None here: its Tap put it
+        grads = list(grads)
+        lazy.taken(group, grads)
         self.grads.put_all(group, [(k, grads[k]) for k in pos if grads[k] is not None])
         if self.sync and pos:
             self.grads.launch(group)
@@ -223,14 +215,8 @@ class Run:
                                             for k in self.params.grad_pos[g.gi]):
                 raise recompute.backward_in_forward(f"group {g.name!r}")
         self.backward = True
-        if self.checkpointing:  # unbind (or demote), so a recompute's use of a parameter
-            # is seen
-            for g in self.groups:
-                if g.resident and g.state is not S.ALIASED:
-                    g.unbind_all(held_ok=True)
-        # Ops on bound leaves are not seen: ``active`` holds the groups of forward's last op
-        # that gathered (with FULL_SHARD, the groups still bound). Backward's first node
-        # frees nothing as "the previous op's".
+        # ``active`` holds the groups of forward's last op on a stand-in (or last module);
+        # backward's first node frees nothing as "the previous op's".
         active, self.active = self.active, []
         if not self.policy.reshard_after_forward:
             return
@@ -255,9 +241,9 @@ class Run:
         """Backward is done with an ALIASED group (:meth:`Group.alias`): its leaves'
         gradients go to its bucket as :meth:`backward_done` puts a gathered group's."""
         group.ended = True
-        # fulls[k] holds the leaf, bound or not (see Group.bind_all)
-        got = [(k, g) for k in self.params.grad_pos[group.gi]
-               if (g := group.fulls[k].grad) is not None]
+        grads = [group.fulls[k].grad for k in range(len(group.idx))]
+        lazy.taken(group, grads)
+        got = [(k, g) for k in self.params.grad_pos[group.gi] if (g := grads[k]) is not None]
         for k, _ in got:  # the bucket has it (the direct path's leaves outlive the step)
             group.fulls[k].grad = None
         if got:
@@ -277,8 +263,6 @@ class Run:
             g.finish_gather()  # a prefetch nobody used
             g.pinned = False
             g.free()
-            if g.state is S.ALIASED:  # never freed: its in-place check is made here
-                g.unbind_all()
         if self.record:
             p = self.params
 

@@ -16,7 +16,6 @@ import sys
 import torch
 
 from .. import _compat
-from . import lazy
 from .group import S
 from .lazy import LazyParam, untraced
 
@@ -39,10 +38,10 @@ _TOP, _PUSH, _POP = _compat.top_saved_hooks, _compat.push_saved_hooks, _compat.p
 # A tensor on a gathered group's storage is the step's (gathered again for backward, never
 # copied); every other tensor goes to the caller's hooks, as it would without funshard. A
 # group resident when the caller's hooks are taken over may have been saved by them
-# already, on ops that used it bound: it stays resident until its backward is done. Not
-# covered: the caller's hooks entered after a group's first use and left before any first
-# use under them, which keep that group's parameter (itself, or a view) rather than a copy:
-# the step never sees them, so backward gets the parameter's empty stand-in, or reads freed
+# already (by ops inside its module's call, which the step does not see): it stays resident
+# until its backward is done. Not covered: the caller's hooks entered inside a group
+# module's forward and left before any op on a stand-in under them, which keep that
+# group's parameter (itself, or a view) rather than a copy: backward then reads freed
 # storage (an error, not a wrong gradient). The other way, FSDP2's (the caller's hooks
 # take everything: save_on_cpu copies each gathered parameter to the host and back), moves
 # a parameter's bytes over PCIe twice per use where the step gathers it again once.
@@ -99,9 +98,8 @@ class SavedParams:
             return t
         group, k = hit
         group.saved[k] += 1
-        # a separate tensor on the same storage: autograd never holds a bound stand-in's own
-        # tensor, so the stand-in can always be unbound (see [Note: binding] in .lazy)
-        # (a checkpoint region's input is handed to its recompute: see Run.recompute_leaf)
+        # a separate tensor on the same storage (a checkpoint region's input is handed to
+        # its recompute: see Run.recompute_leaf)
         return (group.gi, k, t.detach(), entering)
 
     def owns(self, pack) -> bool:
@@ -137,19 +135,10 @@ class SavedParams:
         return True
 
     def _pack_stand_in(self, t, entering: bool):
-        """A checkpoint region's input (non-reentrant) is handed to its recompute as the
-        gathered leaf, and so is a frozen leaf a custom Function saved. Anything else that
-        saves a trainable stand-in itself (a custom Function, a reentrant checkpoint region)
-        captured the parameter as an autograd leaf of its own: its gradient would bypass the
-        step's reduction. Refused by name."""
-        if not entering and t.requires_grad:
-            raise NotImplementedError(
-                f"train_step: parameter {lazy.path_of(t)!r} was saved by a "
-                "torch.autograd.Function (a custom Function, or torch.utils.checkpoint with "
-                "use_reentrant=True) before any op used it, so autograd holds the parameter "
-                "itself and its gradient would bypass the step. Use it through a torch op "
-                "first (e.g. read it inside the region, not as its input), or use "
-                "use_reentrant=False.")
+        """A stand-in saved as it is (by a custom Function it was given to, or as a
+        checkpoint region's input): counted as a saved copy of its leaf, and unpacked as
+        the leaf's full tensor (a region's input: handed to its recompute, see
+        :meth:`Run.recompute_leaf`)."""
         group = self.run.groups[t._gi]
         group.saved[t._k] += 1
         return (t._gi, t._k, None, entering)
@@ -181,7 +170,7 @@ class SavedParams:
                 group.regather()
         self.node = node
         if t is None:  # a stand-in saved as it was (_pack_stand_in): its gathered leaf
-            t = run.recompute_leaf(gi, k) if run.backward else group.fulls[k]
+            t = run.recompute_leaf(gi, k) if run.backward and into_recompute else group.fulls[k]
         if run.backward:
             self._consumed(group, k, node)
             if into_recompute:  # the recompute's saved tensors own the storage from now on

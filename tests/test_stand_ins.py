@@ -1,6 +1,7 @@
-"""The stand-in becomes its gathered tensor ([Note: binding] in funshard.step.lazy): ops after
-a group's first use see plain tensors, a freed group's stand-ins are empty again, and a custom
-autograd Function given a gathered parameter gets its exact gradient."""
+"""Stand-ins ([Note: stand-ins] in funshard.step.lazy): a parameter loss_fn uses outside a
+group module stays its stand-in, each op on it computes with the group's full tensor, a freed
+group gathers again at its next op, and a custom autograd Function given a parameter (a
+stand-in, or a tensor an op made of it) trains as one process."""
 
 import pytest
 import torch
@@ -25,35 +26,41 @@ def _forward(p, x):
 
 
 def kinds(spec, raf):
-    """What loss_fn holds before and after the first op, and after another group is used."""
+    """What loss_fn holds and computes with: the types of the parameters it was given, and
+    of what an op on one returns, at the start, after the first group's op, and after the
+    second's; and the all-gathers of each step."""
     m = mesh(spec)
     model = _model()
     seen = []
 
     def loss_fn(p, b):
-        seen.append(("start", type(p["0.weight"]), type(p["0.bias"])))
+        seen.append(("start", type(p["0.weight"]), type(p["0.weight"].view_as(p["0.weight"]))))
         h = torch.tanh(F.linear(b[0], p["0.weight"], p["0.bias"]))
-        seen.append(("after 0", type(p["0.weight"]), type(p["0.bias"])))
+        seen.append(("after 0", type(p["0.weight"]), type(p["0.bias"] * 1)))
         y = F.linear(h, p["2.weight"], p["2.bias"])
-        seen.append(("after 2", type(p["0.weight"]), type(p["2.weight"])))
+        seen.append(("after 2", type(p["0.weight"]), type(p["2.weight"] + 0)))
         return F.mse_loss(y, b[1])
 
     step = fs.train_step(loss_fn, fs.optim.sgd(lr=0.1),  # two groups: "0" and "2"
                          policy=fs.Policy(reshard_after_forward=raf,
                                           groups=lambda fqn: fqn.split(".")[0]))
     state = step.init(fs.shard(fs.params(model), m))
+    gathers = []
     for _ in range(2):
-        state, _ = step(state, (torch.randn(2, 4), torch.randn(2, 3)))
-    return [(w, a.__name__, b.__name__) for w, a, b in seen[-3:]]
+        with fs.testing.CountCollectives() as c:
+            state, _ = step(state, (torch.randn(2, 4), torch.randn(2, 3)))
+        gathers.append(c.counts["all_gather"])
+    return [(w, a.__name__, b.__name__) for w, a, b in seen[-3:]], gathers
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=["full_shard", "shard_grad_op"])
-def test_gathered_parameters_are_plain_tensors(pools, raf):
-    for got in pools.run(2, kinds, raf):
-        assert got[0] == ("start", "LazyParam", "LazyParam")
-        assert got[1] == ("after 0", "Tensor", "Tensor")  # the whole group is bound
-        # FULL_SHARD frees group "0" once group "2" is used: its stand-ins are empty again
-        assert got[2] == ("after 2", "LazyParam" if raf else "Tensor", "Tensor")
+def test_parameters_stay_stand_ins_and_ops_compute_on_plain_tensors(pools, raf):
+    for got, gathers in pools.run(2, kinds, raf):
+        assert got == [("start", "LazyParam", "Tensor"), ("after 0", "LazyParam", "Tensor"),
+                       ("after 2", "LazyParam", "Tensor")]
+        # one gather per group and step: group "0"'s backward saved no weight, and the last
+        # group is kept into backward; ops after a group's first use gather nothing
+        assert gathers == [2, 2], gathers
 
 
 def _sgd_parity(spec, loss_fn, policy, steps=3, per_rank=2):
@@ -109,7 +116,7 @@ def custom_function_first(spec):
 
 def test_custom_function_first_touch_is_refused(pools):
     for t, msg, same in pools.run(2, custom_function_first):
-        assert t == "NotImplementedError" and "custom torch.autograd.Function" in msg, msg
+        assert t == "NotImplementedError" and "given to a torch.autograd.Function" in msg, msg
         assert "'0.weight'" in msg and same
 
 
@@ -186,7 +193,7 @@ def checkpoint_parity(spec, reentrant, as_input, groups, raf):
 REFUSED = {
     ("one", False): "group 'all' is used inside a torch.utils.checkpoint(use_reentrant=True) "
                     "region and outside it",
-    ("per_layer", True): "parameter '2.weight' was saved by a torch.autograd.Function",
+    ("per_layer", True): "parameter '2.weight' was given to a torch.autograd.Function",
 }
 
 
