@@ -276,3 +276,24 @@ def require_eager(what: str) -> None:
         raise RuntimeError(
             f"{what} needs torch internals this torch {torch.__version__} lacks: "
             f"{', '.join(EAGER_MISSING)}. Use a torch the step supports (2.11 or newer).")
+
+
+# -- a process group's timeout ------------------------------------------------------------
+#
+# ``ProcessGroup._get_backend(device).options._timeout``: how long a collective on a group
+# may wait (what ``make_mesh(timeout=)`` gave ``init_process_group``). torch raises the same
+# ``RuntimeError`` for a collective that timed out and for a peer that left, so funshard tells
+# them apart by how long the collective had been waiting
+# (:func:`funshard.collectives.failures.timed_out`), and sizes the cross-memory transport's
+# waits by it. Optional: None where this torch does not expose it (a failure is then said
+# to be a lost peer, whatever its wait).
+
+
+def pg_timeout(pg) -> float | None:
+    """Seconds a collective on ``pg`` may wait, or None."""
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None

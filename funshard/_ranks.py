@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from . import _compat
 
 
 def _rank(pg=None) -> int:
@@ -47,10 +48,4 @@ def _timeout(pg=None) -> float | None:
     """
     if not dist.is_initialized():
         return None
-    group = pg if pg is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    return None
+    return _compat.pg_timeout(pg if pg is not None else dist.group.WORLD)

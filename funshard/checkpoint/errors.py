@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from typing import Any
 
 try:
@@ -27,8 +28,6 @@ from ..collectives import CollectiveTimeout, calls, failures
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted; nothing was loaded."""
 
-
-COMM_ERRORS = failures.BACKEND_ERRORS  # a peer that timed out, died, or hung up
 
 _ERRNO = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
           errno.EFBIG: "a file size limit is reached"}
@@ -78,18 +77,16 @@ def _space(directory: str) -> str:
 
 
 def _is_comm_failure(e: BaseException) -> bool:
-    if isinstance(e, CheckpointError):
-        return False
-    if isinstance(e, COMM_ERRORS):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text
-                                            or "connection closed" in text)
+    """A collective's failure inside a save or load (DCP wraps every other error of a rank
+    in a ``CheckpointException``): by its type, as :func:`failures.is_comm_failure`."""
+    return not isinstance(e, CheckpointError) and failures.is_comm_failure(e)
 
 
 @contextlib.contextmanager
 def peers(what: str, op: str, rank: int, pg=None):
-    """Around a save's or load's collectives: a stuck or dead peer is one clear error."""
+    """Around a save's or load's collectives: a stuck or dead peer is one clear error (a
+    timeout: one that waited about the process group's timeout, :func:`failures.timed_out`)."""
+    since = time.monotonic()
     try:
         yield
     except BaseException as e:
@@ -98,9 +95,10 @@ def peers(what: str, op: str, rank: int, pg=None):
         failed = failures.explain(e, f"{op}'s collectives")
         if failed is not None:  # another rank's exception: raise that
             raise failed from e
+        late = failures.timed_out(since)
         text, differ = str(e).strip()[:300], calls.differ(
-            f"{op}'s collectives", wait=1.5 if "time" in str(e).lower() else 0.2)
-        if "time" not in text.lower():
+            f"{op}'s collectives", wait=1.5 if late else 0.2)
+        if not late:
             raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "
                                   f"or left the process group).{differ} Backend said: {text}"
                                   ) from e

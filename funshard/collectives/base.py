@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..layout import Layout
 from ..mesh import mesh_str
 from . import calls, failures
-from .failures import CollectiveTimeout, RankFailed
+from .failures import CollectiveTimeout
 
 TRANSPORTS = ("c10d", "p2p", "cma")
 
@@ -58,24 +59,27 @@ def force_collectives(on: bool = True):
 
 
 @contextlib.contextmanager
-def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None):
+def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None,
+          since: float | None = None):
     """Turn a backend's failure into an error that says what happened: :class:`RankFailed`
     when another rank's exception caused it (see :mod:`funshard.collectives.failures`), else a
-    :class:`CollectiveTimeout` or a lost peer that says what to do."""
+    :class:`CollectiveTimeout` or a lost peer that says what to do. ``since``: when the
+    collective waited on inside was issued (``time.monotonic()``; default: now), which tells
+    a timeout from a lost peer (:func:`failures.timed_out`)."""
+    since = time.monotonic() if since is None else since
     try:
         yield
     except RuntimeError as e:
-        if (isinstance(e, (RankFailed, failures.PeerLost, CollectiveTimeout))
-                or not failures.is_comm_failure(e)):
+        if not failures.is_comm_failure(e):
             raise
         where = kind + (f" on mesh dimension {dim!r}" if dim else "") + (
             f" of {mesh_str(mesh)}" if mesh is not None else "")
         failed = failures.explain(e, where)
         if failed is not None:
             raise failed from e
-        text, differ = str(e), calls.differ(
-            where, wait=1.5 if "time" in str(e).lower() else 0.2)
-        if "timed out" not in text.lower() and "timeout" not in text.lower():
+        late = failures.timed_out(since)
+        text, differ = str(e), calls.differ(where, wait=1.5 if late else 0.2)
+        if not late:
             raise failures.PeerLost(
                 f"funshard: {where} failed on rank {dist.get_rank()}: another rank is gone (its "
                 "process ended or closed the connection) without reporting an error through "
@@ -114,12 +118,13 @@ class Gathered:
     def __init__(self, work, finish: Callable[[], list[torch.Tensor]],
                  layouts: Sequence[Layout]):
         self._work, self._finish, self._layouts = work, finish, layouts
+        self._since = time.monotonic()  # (made as the gather is issued: see watch)
 
     def wait(self) -> list[torch.Tensor]:
         """Finish the gather; return full tensors in ``layouts`` order (views ``[:rows]`` of
         the padded tensors)."""
         if self._work is not None:
-            with watch("all-gather", None):
+            with watch("all-gather", None, since=self._since):
                 self._work.wait()
             self._work = None
         with torch.no_grad():

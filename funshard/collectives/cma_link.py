@@ -65,9 +65,9 @@ import time
 import weakref
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
+from .. import _compat
 from . import failures
 
 RING = 64  # exchanges in flight per group before a post waits for peers to consume
@@ -297,9 +297,8 @@ _LINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _timeout(pg) -> float:
-    with contextlib.suppress(Exception):
-        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    return 300.0
+    t = _compat.pg_timeout(pg)
+    return 300.0 if t is None else t
 
 
 def _host() -> str:

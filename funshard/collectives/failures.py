@@ -54,6 +54,7 @@ import time
 
 import torch.distributed as dist
 
+from .._ranks import _timeout
 from . import linger
 
 PREFIX = "funshard/"
@@ -355,11 +356,18 @@ def explain(e: BaseException | None, where: str, *, waiting: bool = False) -> Ra
 
 
 def is_comm_failure(e: BaseException) -> bool:
-    """A backend error of a collective: a peer gone, a closed connection, a timeout."""
-    if isinstance(e, BACKEND_ERRORS):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(
-        w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
-                            "broken pipe", "gloo"))
+    """A backend error of a collective (a peer gone, a closed connection, a timeout): one of
+    torch.distributed's error types, or the plain ``RuntimeError`` its backends raise (gloo
+    raises it for a timeout and for a lost peer alike). Read by its type only, never by
+    its words; funshard's own errors and every narrower type are not such."""
+    return isinstance(e, BACKEND_ERRORS) or type(e) is RuntimeError
+
+
+def timed_out(since: float) -> bool:
+    """Whether a collective that failed, waiting since ``since`` (``time.monotonic()``),
+    failed at the process group's timeout rather than when a peer left (which the backend
+    reports at once): it waited at least 0.8 of the default group's timeout (what
+    ``make_mesh(timeout=)`` sets; a subgroup's is never shorter)."""
+    limit = _timeout()
+    return limit is not None and time.monotonic() - since >= 0.8 * limit
 

@@ -10,6 +10,7 @@ launched once; :class:`Reducing` is the reduction in flight.
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -287,7 +288,8 @@ class _ReduceOne:
             if not skips(dist.get_world_size(shard_pg)):
                 with watch("all-reduce", None, SHARD):
                     self.works.append(("all-reduce", dist.all_reduce(flat, group=shard_pg,
-                                                                     async_op=True)))
+                                                                     async_op=True),
+                                       time.monotonic()))
             for k, lay in enumerate(layouts):
                 if not lay.sharded and math.prod(lay.shape):
                     n = math.prod(lay.shape)
@@ -301,11 +303,12 @@ class _ReduceOne:
             rs = torch.empty(part.seg, dtype=self.rdt, device=self.device)
             with watch("reduce-scatter", None, SHARD):
                 self.works.append(("reduce-scatter", transport.reduce_scatter_leaves(
-                    rs, kept, part.layouts, part.offsets, shard_pg)))
+                    rs, kept, part.layouts, part.offsets, shard_pg), time.monotonic()))
         elif not skips(inp.shape[0]):
             rs = torch.empty(inp.shape[1], dtype=self.rdt, device=self.device)
             with watch("reduce-scatter", None, SHARD):
-                self.works.append(("reduce-scatter", transport.reduce_scatter(rs, inp, shard_pg)))
+                self.works.append(("reduce-scatter", transport.reduce_scatter(rs, inp, shard_pg),
+                                   time.monotonic()))
         else:
             rs = inp.view(-1)
         return rs
@@ -313,8 +316,8 @@ class _ReduceOne:
     def finish_reduce_scatter(self) -> None:
         if self.works is None:  # advanced before
             return
-        for kind, work in self.works:
-            with watch(kind, None, SHARD):
+        for kind, work, since in self.works:  # (issued at since: see watch)
+            with watch(kind, None, SHARD, since=since):
                 work.wait()
         self.works = None
         pieces, rep_pg = self.pieces, self.rep_pg
@@ -324,12 +327,13 @@ class _ReduceOne:
             self.both = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             with watch("all-reduce", None, REPLICATE):
                 self.rep_work = dist.all_reduce(self.both, group=rep_pg, async_op=True)
+                self.rep_since = time.monotonic()
 
     def wait(self) -> list[torch.Tensor]:
         self.finish_reduce_scatter()
         pieces = self.pieces
         if self.both is not None:
-            with watch("all-reduce", None, REPLICATE):
+            with watch("all-reduce", None, REPLICATE, since=self.rep_since):
                 self.rep_work.wait()
             if len(pieces) > 1:
                 torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
