@@ -3,8 +3,6 @@ group module stays its stand-in, each op on it computes with the group's full te
 group gathers again at its next op, and a custom autograd Function given a parameter (a
 stand-in, or a tensor an op made of it) trains as one process."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -414,36 +412,3 @@ def test_hugging_face_checkpointing_profiled_on_one_rank_keeps_the_ranks_in_step
                                                                                  reentrant):
     for rank, same in enumerate(pools.run(2, profiled_llama, reentrant)):
         assert same, rank
-
-
-def profiled_peaks(spec):
-    """A GPT's step, its live-tensor peak without the profiler and under it with
-    ``with_stack`` (a weak reference to each op's inputs), after two steps to learn the
-    schedule."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from funshard.testing import LivePeak
-    from funshard.testing.models import GPT, gpt_loss
-
-    torch.manual_seed(0)
-    model = GPT(vocab=64, dim=64, heads=4, layers=6, seq=8)
-    step = fs.train_step(gpt_loss(model), fs.optim.adamw(lr=1e-3))
-    state = step.init(fs.shard(fs.params(model), mesh(spec)))
-    batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
-    for _ in range(2):
-        state, _ = step(state, batch)
-    peaks = []
-    for prof in (False, True, False):
-        ctx = profile(activities=[ProfilerActivity.CPU], with_stack=True) if prof else (
-            contextlib.nullcontext())
-        with ctx, LivePeak(torch.device("cpu")) as live:
-            state, _ = step(state, batch)
-        peaks.append(live.peak)
-    return peaks
-
-
-def test_the_profiler_keeps_no_gathered_parameter(pools):
-    """Its weak references keep no storage: the same live-tensor peak profiled as not (they
-    kept each parameter the profiler had seen while the stand-ins were swapped)."""
-    for peaks in pools.run(2, profiled_peaks):
-        assert peaks[1] <= max(peaks[0], peaks[2]), peaks
