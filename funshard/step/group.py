@@ -218,8 +218,8 @@ class Group:
 
         The shards are the state's own tensors: autograd refuses a write into a trainable
         leaf before it lands, and so does the stand-in into a frozen one; inside its
-        module's call one lands in the state before the step finds it (as the module
-        returns: ``call.check_unwritten``) and refuses the step. (A view made under
+        module's call one lands in the state before the step finds it (at the end of the
+        micro-batch: :meth:`check_unwritten`) and refuses the step. (A view made under
         no_grad of a leaf that requires grad would be refused too, but autograd then
         computes the frozen weight's gradient: a matmul per frozen linear.)
 
@@ -342,10 +342,6 @@ class Group:
         """Of ``leaves``, those whose full tensor is held elsewhere: their storage stays."""
         return {k for k in leaves
                 if (full := self.fulls[k]) is not None and full._use_count() > 1}
-
-    def full(self, k: int) -> torch.Tensor | None:
-        """Leaf ``k``'s full tensor, for an op on its stand-in."""
-        return self.fulls[k]
 
     def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.

@@ -271,7 +271,7 @@ def _substitute(run, values, recompute: bool = False) -> list:
     for x in values:
         if isinstance(x, LazyParam):
             x = (run.recompute_leaf(x._gi, x._k) if recompute
-                 else run.groups[x._gi].full(x._k))
+                 else run.groups[x._gi].fulls[x._k])
         elif isinstance(x, (list, tuple)):
             x = type(x)(_substitute(run, x, recompute))
         out.append(x)

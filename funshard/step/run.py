@@ -200,7 +200,7 @@ class Run:
                 self.use([gi], new_op=False)
             elif k in group.to_regather:
                 group.regather()
-            t = group.full(k)
+            t = group.fulls[k]
             if self.params.trainable[group.idx[k]] and not t.requires_grad:
                 # gathered afresh (an earlier recompute took the first): as its forward saw
                 # it, it requires grad, or the recompute's ops save fewer tensors
