@@ -216,10 +216,6 @@ def inductor_patch(options: dict):
 #   ``torch._C._len_torch_dispatch_stack``: the step's own ops kept out of selective
 #   checkpointing's cache;
 # - ``torch._dynamo.eval_frame.skip_code``: the saved-tensor hooks never compiled;
-# - ``torch.utils.checkpoint``'s internals the step recognizes: ``CheckpointFunction``
-#   (a reentrant region saving its inputs) and where a
-#   non-reentrant region saves its inputs (``_CheckpointFrame.save_inputs``, torch 2.13;
-#   ``_NoopSaveInputs``, torch 2.11: either);
 # - and for shard / unshard: ``torch._C._functorch``'s wrapped-tensor check and transform
 #   stack (a shard under torch.func), ``torch.distributed.tensor._utils``'s
 #   ``compute_global_tensor_info`` (a DTensor's global shape from its local one).
@@ -252,13 +248,6 @@ pop_mode = _eager("torch.utils._python_dispatch", "_pop_mode")
 push_mode = _eager("torch.utils._python_dispatch", "_push_mode")
 dispatch_depth = _eager("torch._C", "_len_torch_dispatch_stack")
 skip_code = _eager("torch._dynamo.eval_frame", "skip_code")
-import torch.utils.checkpoint as _ckpt  # noqa: E402 (public; its internals below are not)
-
-SAVE_INPUTS = getattr(getattr(getattr(_ckpt, "_CheckpointFrame", None), "save_inputs", None),
-                      "__code__", None)
-NOOP_SAVE = getattr(_ckpt, "_NoopSaveInputs", None)
-if SAVE_INPUTS is None and NOOP_SAVE is None:
-    EAGER_MISSING.append("torch.utils.checkpoint._CheckpointFrame.save_inputs|_NoopSaveInputs")
 if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
 functorch_wrapped = _eager("torch._C._functorch", "is_functorch_wrapped_tensor")
@@ -266,7 +255,6 @@ peek_interpreter_stack = _eager("torch._C._functorch", "peek_interpreter_stack")
 _import("torch.distributed.tensor._utils")
 compute_global_tensor_info = _eager("torch.distributed.tensor._utils",
                                     "compute_global_tensor_info")
-REENTRANT = _eager("torch.utils.checkpoint", "CheckpointFunction")
 
 
 def require_eager(what: str) -> None:

@@ -68,20 +68,25 @@ def test_partial_then_gather_owed():
     g.gather()
     g.saved = [1, 0]  # autograd saved leaf 0 only
     g.free_leaves([0, 1])
-    assert g.state is S.PARTIAL and g.to_regather == [0]
+    assert g.state is S.PARTIAL and g.to_regather == [0, 1]
     assert g.bases[0].untyped_storage().nbytes() == 0
     g.prefetch_regather()
     assert g.state is S.PARTIAL_GATHERING
     g.regather()
     assert g.state is S.GATHERED and g.to_regather == []
-    assert torch.equal(g.fulls[0], shards[0].double())
+    assert all(torch.equal(f, s.double()) for f, s in zip(g.fulls, shards))
 
 
-def test_free_leaves_nobody_saved_stays_gathered():
-    g, _ = make_group()
+def test_a_freed_leaf_nobody_saved_is_owed_too():
+    """GATHERED means every leaf is full: a recompute reads leaves autograd never saved
+    through the step's hooks (a checkpoint region's own saves bypass them)."""
+    g, shards = make_group()
     g.gather()
     g.free_leaves([1])
-    assert g.state is S.GATHERED and g.to_regather == []
+    assert g.state is S.PARTIAL and g.to_regather == [1]
+    assert g.bases[1].untyped_storage().nbytes() == 0
+    g.regather()
+    assert g.state is S.GATHERED and torch.equal(g.fulls[1], shards[1].double())
 
 
 def test_prefetch_unused_is_dropped_and_used_is_gathered():

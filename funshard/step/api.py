@@ -149,8 +149,6 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
         loss_.check_differentiable(loss_.value(loss), params)
         if not params.linted:  # the first step of this tree: once
             loss_.check_reaches_only_params(run, loss_.value(loss))
-        run.checkpointing = recompute.checkpointed(run)
-        call.check_recomputable(run)
         run.end_forward()
         with torch.enable_grad():
             recompute.backward(run, scaling.scaled(loss_.value(loss),

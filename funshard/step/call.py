@@ -220,6 +220,7 @@ def recomputed(run, gi: int, leaves: list) -> dict:
     its first pass computed with (:meth:`Run.recompute_leaf`), so that a custom Function in
     it receives them too, not the stand-ins (autograd would take a stand-in for a leaf of
     its own, whose gradient would bypass the step)."""
+    recompute.check_reinstalled(run)
     with recompute.own_ops(False), torch.no_grad():
         run.use([gi], new_op=False)
         return {name: run.recompute_leaf(gi, k) for name, k in leaves}
@@ -317,6 +318,7 @@ def _regathered(run: Run, gi: int, forward, *args, **kwargs):
     """A checkpointed group's forward. Recomputed in backward, it uses its group first: every
     rank gathers the group here."""
     if run.backward:
+        recompute.check_reinstalled(run)
         with recompute.own_ops(False), torch.no_grad():
             run.use([gi], new_op=True)
     return forward(*args, **kwargs)
@@ -330,9 +332,3 @@ def check_found(run: Run) -> None:
             "selects, which it finds in the module loss_fn calls through fs.call; loss_fn "
             "called none. Call the model with fs.call(model, params, *args) in place of "
             "torch.func.functional_call.")
-
-
-def check_recomputable(run: Run) -> None:
-    """After a checkpointing forward: no module was installed twice with other tensors."""
-    if run.checkpointing and run.reinstalled:
-        raise recompute.reinstalled(run.reinstalled)

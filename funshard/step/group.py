@@ -99,6 +99,7 @@ class Group:
         self.pending: collectives.Gathered | None = None  # the gather in flight
         self.grads: list[torch.Tensor | None] | None = None  # reduced gradient shards
         self.saved = [0] * len(self.idx)  # per leaf: autograd's saved copies not unpacked
+        self.handed: set[int] = set()  # leaves backward unpacked: never resized (see _held)
         self.held = 0  # bytes of gathered storages this group holds
         self.next_prefetched = False  # backward has prefetched the group after this one
         self.versions = None  # autograd version counters to restore after a refill
@@ -311,8 +312,9 @@ class Group:
             self.held -= st.nbytes()
             if k not in kept:
                 st.resize_(0)
-            if self.saved[k]:  # autograd will want it back
-                self.to_regather.append(k)
+            # owed: autograd will want it back, or a recompute reads it (its saved tensors
+            # bypass the step's hooks), so GATHERED always means every leaf is full
+            self.to_regather.append(k)
         if self.to_regather:
             self.move(S.PARTIAL)
 
@@ -339,9 +341,13 @@ class Group:
         self.move(S.SHARDED)
 
     def _held(self, leaves) -> set[int]:
-        """Of ``leaves``, those whose full tensor is held elsewhere: their storage stays."""
-        return {k for k in leaves
-                if (full := self.fulls[k]) is not None and full._use_count() > 1}
+        """Of ``leaves``, those whose storage stays when the group is freed: a full tensor
+        held elsewhere, and a leaf backward has unpacked (what it handed out may be kept
+        past its node: a checkpoint region's input, by the region's recompute, whose saved
+        tensors the step's hooks do not see; the group lets go of it, and autograd's last
+        reference frees it)."""
+        return {k for k in leaves if k in self.handed
+                or ((full := self.fulls[k]) is not None and full._use_count() > 1)}
 
     def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.

@@ -118,8 +118,8 @@ def eager(fn):
 def untraced(fn):
     """``fn``'s frames run eagerly under torch.compile, at no cost per call (no wrapper): the
     step's saved-tensor hooks, which autograd calls between a compiled loss_fn's graphs and
-    which dynamo would otherwise try to compile, warning where it cannot follow them
-    (``sys._getframe``)."""
+    which dynamo would otherwise try to compile (host work a compiled graph cannot hold:
+    storage pointers, the run's bookkeeping)."""
     if _compat.skip_code is not None:
         _compat.skip_code(fn.__code__)
     return fn
@@ -198,6 +198,7 @@ def _other_dtype(args, more, dt: torch.dtype) -> bool:
 def _recomputed(run, func, args: tuple, kwargs: dict, lazies: list):
     """An op of a forward that backward recomputes touches stand-ins: it gets the gathered
     leaves, which the recompute then owns (:meth:`Run.recompute_leaf`)."""
+    recompute.check_reinstalled(run)
     with recompute.own_ops(False), torch.no_grad():  # the step's own work is not recomputed
         run.use([x._gi for x in lazies], new_op=True)
         args = _substitute(run, args, recompute=True)
@@ -216,10 +217,8 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     under no_grad: the user's own, a Function's forward, a reentrant checkpoint region's;
     the op takes no gradient, the group's other uses do)."""
     top = run.saved.foreign_top()
-    if top is not None:
-        if recompute.is_checkpoint_hook(top[0]):  # a region's forward
-            run.checkpointing = True
-        elif not run.saved.adopt(top):
+    if top is not None and not recompute.is_checkpoint_hook(top[0]):  # not a region's forward
+        if not run.saved.adopt(top):
             raise NotImplementedError(
                 f"train_step: parameter {path_of(lazies[0])!r} was first used under "
                 "saved-tensor hooks other than the step's (this torch has no way to put the "

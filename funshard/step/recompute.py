@@ -11,7 +11,7 @@ that train as one process would, with no extra all-gather:
   its own weights back by then; ``fs.call`` (:mod:`.call`) keeps the stand-ins installed
   until the micro-batch's backward ends. A recompute that reads a module's own
   ``nn.Parameter`` anyway is refused by :class:`RecomputeGuard`, a torch function mode over
-  backward, only when the forward checkpointed (:func:`checkpointed`).
+  backward.
 - *Seeing it.* Outside a group module's call the parameters are stand-ins, so every
   recomputed op that touches one comes through ``__torch_function__``
   (``lazy._recomputed``), and a group module recomputed through its call installs the
@@ -23,7 +23,12 @@ that train as one process would, with no extra all-gather:
   alias. :meth:`Run.recompute_leaf` hands the recompute the gathered leaf and makes the group
   let go of it (``release_leaf``): the storage then lives exactly as long as the saved
   tensors. Regions over two groups crashed without this (tests/test_ac.py, two blocks).
-  A region's input that is a parameter is handed over the same way when unpacked.
+  A region's input that is a parameter comes back through the step's hooks, which cannot
+  tell a recompute's unpack from any other node's: so no leaf backward has unpacked is
+  resized when its group is freed (``Group._held``); the group lets go of it and autograd's
+  last reference frees it. And a leaf freed when forward ends (``kept_late``) is owed to the
+  group whether or not autograd saved it (``Group.free_leaves``): a recompute reads it all
+  the same.
 
 Reentrant regions (``use_reentrant=True``) run forward under no_grad (the first use there
 enters the group under grad mode) and backward through a nested graph that reaches the
@@ -94,26 +99,14 @@ def _without_sac():
             _compat.push_mode(m)
 
 
-def checkpointed(run) -> bool:
-    """Whether activation checkpointing ran in this forward: a region saved its inputs
-    through the step's hooks (``run.saved.checkpointed``: a non-reentrant region's
-    ``save_inputs``, a reentrant one's ``CheckpointFunction``) or met a stand-in. (A reentrant
-    region none of whose inputs requires grad saves nothing and leaves no node: backward
-    never reaches it, so there is nothing to recompute.) No walk of the graph: that cost
-    about 0.3 ms per 500 nodes per micro-batch, host time a GPU waits on."""
-    return run.checkpointing or run.saved.checkpointed
-
-
 # the autograd engine's entry (private; in every supported torch): a torch function mode
 # sees loss.backward() itself, and is off inside its own handler
 _run_backward = _compat.engine_run_backward
 
 
 def backward(run, loss: torch.Tensor) -> None:
-    """``loss.backward()``; after checkpointing, and on the direct path (where whether a
-    region checkpointed is not seen: see [Note: the direct path] in :mod:`.direct`), under
-    :class:`RecomputeGuard`."""
-    if not (run.checkpointing or run.direct) or _run_backward is None:
+    """``loss.backward()`` under :class:`RecomputeGuard`."""
+    if _run_backward is None:
         loss.backward()
         return
     ones = torch.ones_like(loss)
@@ -123,16 +116,19 @@ def backward(run, loss: torch.Tensor) -> None:
 
 
 class RecomputeGuard(torch.overrides.TorchFunctionMode):
-    """Backward of a micro-batch that checkpointed: a recomputed forward that reads a
-    module's own ``nn.Parameter`` (one ``fs.call`` did not leave in place) reads the
-    module's weights, not the step's: refused by name."""
+    """Backward: a recomputed forward that reads a module's own ``nn.Parameter`` (one
+    ``fs.call`` did not leave in place) reads the module's weights, not the step's, and one
+    that reads a tensor of a module ``fs.call`` installed twice with other tensors may run on
+    the last installation's: both refused by name. It sees only the Python-level torch calls
+    made in backward (a recompute's, the step's own few per group), so it costs next to
+    nothing where nothing is recomputed: over every backward, as which forward checkpointed
+    is not known (torch.utils.checkpoint tells no one; recognizing its frames was given up
+    as a torch internal)."""
 
     def __init__(self, run):
         super().__init__()
         self.run, self._own = run, None
-        # the direct path, a module fs.call installed twice with other tensors: a tensor of
-        # either installation read in backward may be a recompute's, reading the last one
-        self.reinstalled = run.reinstalled_ids if run.direct else ()
+        self.reinstalled = run.reinstalled_ids
 
     @property
     def own(self) -> set[int]:
@@ -158,6 +154,13 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
                     "keeps the step's parameters in the module until backward ends), or turn "
                     "checkpointing off (e.g. model.gradient_checkpointing_disable()).")
         return func(*args, **kwargs)
+
+
+def check_reinstalled(run) -> None:
+    """A recompute (in backward) of a forward in which ``fs.call`` installed a module twice
+    with other tensors: refused (it would run every call on the last one's tensors)."""
+    if run.reinstalled:
+        raise reinstalled(run.reinstalled)
 
 
 def reinstalled(name: str) -> NotImplementedError:

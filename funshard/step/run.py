@@ -54,7 +54,6 @@ class Run:
         self.peak_bytes = 0  # their full-size bytes
         self.stand_group: dict[int, tuple] = {}  # id of a stand-in -> (group, leaf)
         # activation checkpointing (see [Note: recomputation] in .recompute)
-        self.checkpointing = False  # a checkpoint region ran in forward
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
         self.installed: list = []  # fs.call's (module, installation), undone at finish
         self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
@@ -225,9 +224,7 @@ class Run:
             if g.gi not in active and g.gi != kept:
                 g.free()
         late = self.params.schedule.kept_late if kept is not None else ()
-        # after checkpointing, a recompute may read any leaf, and what a region saves goes
-        # around the step's hooks (nothing says to gather a freed leaf again): keep them all
-        if late and not self.checkpointing and self.groups[kept].state is S.GATHERED:
+        if late and self.groups[kept].state is S.GATHERED:
             self.groups[kept].free_leaves(list(late))
 
     def start_direct(self) -> list:

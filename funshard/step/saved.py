@@ -11,20 +11,13 @@ See [Note: a group's life] in :mod:`funshard.step.group`.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from .. import _compat
 from .group import S
 from .lazy import LazyParam, untraced
 
-# Where non-reentrant torch.utils.checkpoint saves a region's inputs, through the saved-tensor
-# hooks on top (the step's) just before it pushes its own: torch 2.13 in
-# _CheckpointFrame.save_inputs, torch 2.11 in _NoopSaveInputs.apply; use_reentrant=True's
-# Function; torch's stack of saved-tensor hooks (all private: funshard._compat)
-_SAVE_INPUTS, _NOOP_SAVE, _REENTRANT = _compat.SAVE_INPUTS, _compat.NOOP_SAVE, _compat.REENTRANT
-_APPLY = torch.autograd.Function.apply.__func__.__code__
+# torch's stack of saved-tensor hooks (private: funshard._compat)
 _TOP, _PUSH, _POP = _compat.top_saved_hooks, _compat.push_saved_hooks, _compat.pop_saved_hooks
 
 # [Note: hooks beneath the step's]
@@ -47,27 +40,6 @@ _TOP, _PUSH, _POP = _compat.top_saved_hooks, _compat.push_saved_hooks, _compat.p
 # a parameter's bytes over PCIe twice per use where the step gathers it again once.
 
 
-@untraced
-def _checkpoint_saving(depth: int) -> int:
-    """What saves the tensor being packed: 1, a non-reentrant checkpoint region's inputs (a
-    region whose saved tensors bypass the step's hooks begins); 2, a reentrant region's
-    ``CheckpointFunction`` its inputs; 0, anything else (about 0.3 us per saved tensor).
-    ``depth``: frames from here to the code that made autograd save the tensor."""
-    f = sys._getframe(depth)
-    for _ in range(2):  # a comprehension's frame (Python 3.11), then its function
-        if f is None:
-            return 0
-        if f.f_code is _SAVE_INPUTS:
-            return 1
-        if f.f_code is _APPLY:
-            cls = f.f_locals.get("cls")
-            if _NOOP_SAVE is not None and cls is _NOOP_SAVE:
-                return 1
-            return 2 if _REENTRANT is not None and cls is _REENTRANT else 0
-        f = f.f_back
-    return 0
-
-
 class SavedParams:
     """The saved-tensor hooks of one run (``torch.autograd.graph.saved_tensors_hooks``)."""
 
@@ -77,16 +49,11 @@ class SavedParams:
         self.node = None  # the autograd node whose saved tensors are being unpacked
         self.prefetch_when_done = None  # (node, group): prefetch after group once node is done
         self.first_unpack: dict[int, list[int]] = {}  # per group: leaves in backward's order
-        self.checkpointed = False  # a checkpoint region (either kind) began in forward
 
     @untraced
-    def pack(self, t: torch.Tensor, depth: int = 2):
-        saver = _checkpoint_saving(depth)
-        entering = saver == 1
-        if saver:  # see recompute.checkpointed
-            self.checkpointed = True
+    def pack(self, t: torch.Tensor):
         if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
-            return self._pack_stand_in(t, entering)
+            return self._pack_stand_in(t)
         storage = self.run.storage
         if not storage:  # no group holds gathered storage (a world of one, no cast)
             return t
@@ -98,9 +65,7 @@ class SavedParams:
             return t
         group, k = hit
         group.saved[k] += 1
-        # a separate tensor on the same storage (a checkpoint region's input is handed to
-        # its recompute: see Run.recompute_leaf)
-        return (group.gi, k, t.detach(), entering)
+        return (group.gi, k, t.detach())  # a separate tensor on the same storage
 
     def owns(self, pack) -> bool:
         """Whether ``pack`` is the step's (its own, or :class:`Beneath`'s)."""
@@ -134,14 +99,12 @@ class SavedParams:
                 g.pinned = True
         return True
 
-    def _pack_stand_in(self, t, entering: bool):
+    def _pack_stand_in(self, t):
         """A stand-in saved as it is (by a custom Function it was given to, or as a
         checkpoint region's input): counted as a saved copy of its leaf, and unpacked as
-        the leaf's full tensor (a region's input: handed to its recompute, see
-        :meth:`Run.recompute_leaf`)."""
-        group = self.run.groups[t._gi]
-        group.saved[t._k] += 1
-        return (t._gi, t._k, None, entering)
+        the leaf's full tensor."""
+        self.run.groups[t._gi].saved[t._k] += 1
+        return (t._gi, t._k, None)
 
     @untraced
     def unpack(self, packed):
@@ -155,7 +118,7 @@ class SavedParams:
             run.prefetch_after(g)
         if not isinstance(packed, tuple):
             return packed
-        gi, k, t, into_recompute = packed
+        gi, k, t = packed
         if run is None:  # released (see release): a graph kept past its step, used again
             raise RuntimeError(
                 "funshard: backward reached parameter "
@@ -164,17 +127,18 @@ class SavedParams:
                 "loss_fn kept): its gathered copy is gone. Compute what needs gradients inside "
                 "loss_fn, as part of the loss.")
         group = run.groups[gi]
-        if group.bases is None or group.bases[k] is not None:  # else dropped: t is intact
+        if group.bases is None or group.bases[k] is not None:  # else let go: t is intact
             run.use([gi], new_op=node is None or node is not self.node)
             if k in group.to_regather:
                 group.regather()
         self.node = node
         if t is None:  # a stand-in saved as it was (_pack_stand_in): its gathered leaf
-            t = run.recompute_leaf(gi, k) if run.backward and into_recompute else group.fulls[k]
+            t = group.fulls[k]
+            if t is None:  # let go of (an earlier unpack was its last): gathered again
+                t = run.recompute_leaf(gi, k)
         if run.backward:
+            group.handed.add(k)
             self._consumed(group, k, node)
-            if into_recompute:  # the recompute's saved tensors own the storage from now on
-                group.release_leaf(k)
         return t
 
     def _consumed(self, group, k: int, node) -> None:
@@ -223,7 +187,7 @@ class Beneath:
 
     @untraced
     def pack(self, t: torch.Tensor):
-        packed = self.saved.pack(t, 3)
+        packed = self.saved.pack(t)
         return packed if packed is not t else _Theirs(self.below_pack(t))
 
     @untraced
