@@ -88,7 +88,11 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
         _enter_groups(run, module, merged, stack)
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
-    return module(*args, **kwargs)
+    run.calling += 1
+    try:
+        return module(*args, **kwargs)
+    finally:
+        run.calling -= 1
 
 
 # the dtype fs.call casts floating-point inputs to while an eval_step's fn runs

@@ -24,7 +24,7 @@ What the stand-ins checked is checked here another way, at a few microseconds a 
   the step, hooks, ``requires_grad_``, ``.data`` replaced): new leaves are made for the next
   step (:class:`Leaves`), as a stand-in's gathered tensors are new every step;
 - a recompute (activation checkpointing) that reads a module's own parameter, or a module
-  ``fs.call`` installed twice: :class:`RecomputeGuard`, over every backward. It sees
+  ``fs.call`` installed twice: :class:`RecomputeGuard`, over every direct backward. It sees
   only the Python-level torch calls made during backward, which a model without
   checkpointing or Python-side backward code does not make.
 

@@ -11,7 +11,7 @@ that train as one process would, with no extra all-gather:
   its own weights back by then; ``fs.call`` (:mod:`.call`) keeps the stand-ins installed
   until the micro-batch's backward ends. A recompute that reads a module's own
   ``nn.Parameter`` anyway is refused by :class:`RecomputeGuard`, a torch function mode over
-  backward.
+  backward wherever a module may have had the step's tensors for its forward only.
 - *Seeing it.* Outside a group module's call the parameters are stand-ins, so every
   recomputed op that touches one comes through ``__torch_function__``
   (``lazy._recomputed``), and a group module recomputed through its call installs the
@@ -104,9 +104,25 @@ def _without_sac():
 _run_backward = _compat.engine_run_backward
 
 
+def in_region() -> bool:
+    """Whether an op runs in a checkpoint region's forward, as far as torch lets it be seen:
+    a non-reentrant region's saved-tensor hooks on top, or grad mode off (a reentrant
+    region's forward; also any no_grad code, which costs only the guard)."""
+    if not torch.is_grad_enabled():
+        return True
+    top = _compat.top_saved_hooks(False) if _compat.top_saved_hooks is not None else None
+    return top is not None and is_checkpoint_hook(top[0])
+
+
 def backward(run, loss: torch.Tensor) -> None:
-    """``loss.backward()`` under :class:`RecomputeGuard`."""
-    if _run_backward is None:
+    """``loss.backward()``, under :class:`RecomputeGuard` where a recompute could read what
+    the step did not give it: on the direct path, where a checkpoint region met a stand-in
+    outside ``fs.call`` (a module ``torch.func.functional_call`` gave the step's tensors for
+    its forward only: :func:`in_region`), and where a module was installed twice. Not
+    elsewhere: the step's own hooks make a few hundred Python-level torch calls in backward,
+    which the guard would see (20% of the host-bound GPT's step, measured), and through
+    ``fs.call`` a recompute reads the step's tensors."""
+    if not (run.direct or run.checkpointing or run.reinstalled) or _run_backward is None:
         loss.backward()
         return
     ones = torch.ones_like(loss)
@@ -120,10 +136,7 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
     ``fs.call`` did not leave in place) reads the module's weights, not the step's, and one
     that reads a tensor of a module ``fs.call`` installed twice with other tensors may run on
     the last installation's: both refused by name. It sees only the Python-level torch calls
-    made in backward (a recompute's, the step's own few per group), so it costs next to
-    nothing where nothing is recomputed: over every backward, as which forward checkpointed
-    is not known (torch.utils.checkpoint tells no one; recognizing its frames was given up
-    as a torch internal)."""
+    made in backward (a recompute's, and the step's own: see :func:`backward`)."""
 
     def __init__(self, run):
         super().__init__()

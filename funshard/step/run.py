@@ -58,6 +58,8 @@ class Run:
         self.installed: list = []  # fs.call's (module, installation), undone at finish
         self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
         self.reinstalled = ""  # a module fs.call installed twice with other tensors
+        self.calling = 0  # fs.call module calls in progress
+        self.checkpointing = False  # a region outside them met a stand-in (recompute.backward)
         self.reinstalled_ids: set[int] = set()  # the tensors of its installations
         self.inside: dict[int, int] = {}  # groups whose module's forward runs: its depth
 
