@@ -205,8 +205,6 @@ def inductor_patch(options: dict):
 #   ``torch.Tensor._make_wrapper_subclass``, the stand-in ([Note: stand-ins] in
 #   funshard.step.lazy);
 #   ``torch._C.DisableTorchFunctionSubclass``: its metadata read without its own hook;
-# - ``torch.autograd._unsafe_preserve_version_counter``: a freed group's storages refilled
-#   in place without autograd seeing a write;
 # - ``torch._C._current_autograd_node``: which backward node unpacks a saved tensor;
 # - ``torch._C._autograd``'s saved-tensor default-hook stack (top, push, pop): the step's
 #   hooks put over the caller's ([Note: hooks beneath the step's] in funshard.step.saved);
@@ -217,8 +215,7 @@ def inductor_patch(options: dict):
 #   checkpointing's cache;
 # - ``torch._dynamo.eval_frame.skip_code``: the saved-tensor hooks never compiled;
 # - and for shard / unshard: ``torch._C._functorch``'s wrapped-tensor check and transform
-#   stack (a shard under torch.func), ``torch.distributed.tensor._utils``'s
-#   ``compute_global_tensor_info`` (a DTensor's global shape from its local one).
+#   stack (a shard under torch.func).
 EAGER_MISSING: list[str] = []
 
 
@@ -236,7 +233,6 @@ _import("torch._dynamo.eval_frame")
 _eager("torch.Tensor", "_use_count")
 _eager("torch.Tensor", "_make_wrapper_subclass")
 DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
-preserve_version_counter = _eager("torch.autograd", "_unsafe_preserve_version_counter")
 current_autograd_node = _eager("torch._C", "_current_autograd_node")
 top_saved_hooks = _eager("torch._C._autograd", "_top_saved_tensors_default_hooks")
 push_saved_hooks = _eager("torch._C._autograd", "_push_saved_tensors_default_hooks")
@@ -252,9 +248,6 @@ if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
 functorch_wrapped = _eager("torch._C._functorch", "is_functorch_wrapped_tensor")
 peek_interpreter_stack = _eager("torch._C._functorch", "peek_interpreter_stack")
-_import("torch.distributed.tensor._utils")
-compute_global_tensor_info = _eager("torch.distributed.tensor._utils",
-                                    "compute_global_tensor_info")
 
 
 def require_eager(what: str) -> None:

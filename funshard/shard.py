@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _compat, collectives, pytree
+from . import collectives, pytree
 from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
                      placements_for, transforms_active)
 from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
@@ -99,8 +99,8 @@ def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,
     with no elements takes the stride DTensor itself derives from its (contiguous) local
     shard instead: torch 2.11's gradient accumulation re-creates a gradient whose stride
     differs from its leaf's, as Replicate(), so the leaf's gradient would lose Shard(0)."""
-    if not math.prod(shape):
-        return tuple(_compat.compute_global_tensor_info(local, mesh, placements)[1])
+    if not math.prod(shape):  # the stride from_local derives (from the local one alone)
+        return tuple(DTensor.from_local(local, mesh, placements, run_check=False).stride())
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

@@ -48,7 +48,7 @@ import enum
 
 import torch
 
-from .. import _compat, collectives
+from .. import collectives
 from .lazy import LazyParam, in_place_error
 from .params import ParamGroups
 
@@ -102,7 +102,6 @@ class Group:
         self.handed: set[int] = set()  # leaves backward unpacked: never resized (see _held)
         self.held = 0  # bytes of gathered storages this group holds
         self.next_prefetched = False  # backward has prefetched the group after this one
-        self.versions = None  # autograd version counters to restore after a refill
         self.written: list | None = None  # the full tensors' versions when first made
         self.to_regather: list[int] = []  # leaves freed while PARTIAL, gathered again on use
         self.stands: list | None = None  # the stand-ins loss_fn holds (see .lazy)
@@ -190,16 +189,10 @@ class Group:
                 self.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
                 self.written[k] = b._version  # (the gather into it keeps it: below)
             b.untyped_storage().resize_(b.numel() * b.element_size())
-            outs.append(b)
-        # Autograd saved these tensors; refilling them is not a mutation it must see: their
-        # version counters are put back once the gather is done (see _refilled).
-        self.versions = _compat.preserve_version_counter(tuple(outs))
+            # autograd saved these tensors; refilling them is not a mutation it must see:
+            # the gather writes through ``.data``, which shares the storage, not the version
+            outs.append(b.data)
         return outs
-
-    def _refilled(self) -> None:
-        if self.versions is not None:
-            self.versions.__exit__(None, None, None)
-            self.versions = None
 
     @property
     def aliased(self) -> bool:
@@ -238,8 +231,6 @@ class Group:
         got = self._get(self.sharded)
         if self.bases is None:  # first gather in this micro-batch: fresh tensors
             self._adopt(got)
-        else:
-            self._refilled()
         self.held = 0
         self._hold(self.sharded)
         self.next_prefetched, self.to_regather = False, []
@@ -270,7 +261,6 @@ class Group:
     def regather(self) -> None:
         """PARTIAL | PARTIAL_GATHERING -> GATHERED: gather the leaves it owes."""
         self._get(self.to_regather)
-        self._refilled()
         self._hold(self.to_regather)
         self.to_regather = []
         self.move(S.GATHERED)
@@ -281,7 +271,6 @@ class Group:
         if self.pending is None:
             return
         self.pending.wait()
-        self._refilled()
         self.pending = None
         self.to_regather = []
         self.move(S.GATHERED if self.bases is not None else S.SHARDED)
