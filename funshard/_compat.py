@@ -200,8 +200,9 @@ def inductor_patch(options: dict):
 # either found or recorded in EAGER_MISSING (train_step refuses to build an eager step on a
 # torch without them, naming the version and the names: :func:`require_eager`):
 #
-# - ``torch.Tensor._use_count``: a gathered tensor another holder has keeps its storage
-#   when its group is freed ([Note: rank-independent freeing] in funshard.step.group);
+# - ``torch.Tensor._use_count`` and ``torch._C._storage_Use_Count``: a gathered tensor, or
+#   its storage, another holder has keeps its storage when its group is freed ([Note:
+#   rank-independent freeing] in funshard.step.group);
 #   ``torch.Tensor._make_wrapper_subclass``, the stand-in ([Note: stand-ins] in
 #   funshard.step.lazy);
 #   ``torch._C.DisableTorchFunctionSubclass``: its metadata read without its own hook;
@@ -231,6 +232,7 @@ def _eager(path: str, *names: str):
 _import("torch.utils._python_dispatch")
 _import("torch._dynamo.eval_frame")
 _eager("torch.Tensor", "_use_count")
+_storage_use_count = _eager("torch._C", "_storage_Use_Count")
 _eager("torch.Tensor", "_make_wrapper_subclass")
 DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
 current_autograd_node = _eager("torch._C", "_current_autograd_node")
@@ -248,6 +250,13 @@ if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
 functorch_wrapped = _eager("torch._C._functorch", "is_functorch_wrapped_tensor")
 peek_interpreter_stack = _eager("torch._C._functorch", "peek_interpreter_stack")
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (tensors on it, and storage objects): what holds its
+    bytes."""
+    st = t.untyped_storage()
+    return _storage_use_count(st._cdata) - 1  # not ``st``, made for the call
 
 
 def require_eager(what: str) -> None:

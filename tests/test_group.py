@@ -63,6 +63,24 @@ def test_gather_free_refill():
     assert all(torch.equal(f, s.double()) for f, s in zip(g.fulls, shards))
 
 
+def test_free_keeps_only_a_storage_held_beyond_autograds_saved_copies():
+    """Freeing resizes a leaf whose storage only the group and autograd's pending saved
+    copies hold (they are gathered again when unpacked), and keeps one something else holds
+    through a tensor of its own on the storage (a checkpoint region's recompute keeps what
+    backward handed it, its saved tensors unseen by the step's hooks): resizing that one
+    would pull the bytes from under it."""
+    g, shards = make_group()
+    g.gather()
+    pending = g.fulls[0].detach()  # what the saved-tensor hooks packed for autograd
+    g.saved = [1, 0]
+    kept = g.fulls[1].detach()[:2]  # another tensor on the storage, not the group's
+    g.free()
+    assert g.bases[0].untyped_storage().nbytes() == 0, "a pending saved copy is no holder"
+    assert g.bases[1].untyped_storage().nbytes() > 0
+    assert torch.equal(kept, shards[1][:2].double())
+    del pending
+
+
 def test_partial_then_gather_owed():
     g, shards = make_group()
     g.gather()

@@ -48,7 +48,7 @@ import enum
 
 import torch
 
-from .. import collectives
+from .. import _compat, collectives
 from .lazy import LazyParam, in_place_error
 from .params import ParamGroups
 
@@ -99,7 +99,7 @@ class Group:
         self.pending: collectives.Gathered | None = None  # the gather in flight
         self.grads: list[torch.Tensor | None] | None = None  # reduced gradient shards
         self.saved = [0] * len(self.idx)  # per leaf: autograd's saved copies not unpacked
-        self.handed: set[int] = set()  # leaves backward unpacked: never resized (see _held)
+        self.bare = [0] * len(self.idx)  # of those, stand-ins saved as they were (no storage)
         self.held = 0  # bytes of gathered storages this group holds
         self.next_prefetched = False  # backward has prefetched the group after this one
         self.written: list | None = None  # the full tensors' versions when first made
@@ -330,13 +330,20 @@ class Group:
         self.move(S.SHARDED)
 
     def _held(self, leaves) -> set[int]:
-        """Of ``leaves``, those whose storage stays when the group is freed: a full tensor
-        held elsewhere, and a leaf backward has unpacked (what it handed out may be kept
-        past its node: a checkpoint region's input, by the region's recompute, whose saved
-        tensors the step's hooks do not see; the group lets go of it, and autograd's last
-        reference frees it)."""
-        return {k for k in leaves if k in self.handed
-                or ((full := self.fulls[k]) is not None and full._use_count() > 1)}
+        """Of ``leaves``, those whose storage stays when the group is freed: held by anything
+        but the group and autograd's saved copies not yet unpacked (a profiler, a view, a
+        checkpoint region's recompute, whose own saved tensors the step's hooks never see
+        and which may keep a leaf backward handed it past its node). Counted on the storage:
+        its references beyond the group's tensors and the saved copies."""
+        held = set()
+        for k in leaves:
+            full, base = self.fulls[k], self.bases[k]
+            if full is None:
+                continue
+            known = 1 + (base is not full) + self.saved[k] - self.bare[k]
+            if full._use_count() > 1 or (base is not None and _compat.storage_refs(base) > known):
+                held.add(k)
+        return held
 
     def release_leaf(self, k: int) -> None:
         """Backward has unpacked every saved copy of leaf ``k``: let go of it.

@@ -24,11 +24,13 @@ that train as one process would, with no extra all-gather:
   let go of it (``release_leaf``): the storage then lives exactly as long as the saved
   tensors. Regions over two groups crashed without this (tests/test_ac.py, two blocks).
   A region's input that is a parameter comes back through the step's hooks, which cannot
-  tell a recompute's unpack from any other node's: so no leaf backward has unpacked is
-  resized when its group is freed (``Group._held``); the group lets go of it and autograd's
-  last reference frees it. And a leaf freed when forward ends (``kept_late``) is owed to the
-  group whether or not autograd saved it (``Group.free_leaves``): a recompute reads it all
-  the same.
+  tell a recompute's unpack from any other node's: so a group being freed keeps any
+  storage something holds beyond the group and autograd's pending saved copies, counted on
+  the storage itself (``Group._held``); what holds it frees it. (Keeping every leaf backward
+  had unpacked instead kept a model called twice fully gathered through its backward:
+  4.86 against 3.88 MB live peak, measured.) And a leaf freed when forward ends
+  (``kept_late``) is owed to the group whether or not autograd saved it
+  (``Group.free_leaves``): a recompute reads it all the same.
 
 Reentrant regions (``use_reentrant=True``) run forward under no_grad (the first use there
 enters the group under grad mode) and backward through a nested graph that reaches the

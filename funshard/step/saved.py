@@ -103,7 +103,9 @@ class SavedParams:
         """A stand-in saved as it is (by a custom Function it was given to, or as a
         checkpoint region's input): counted as a saved copy of its leaf, and unpacked as
         the leaf's full tensor."""
-        self.run.groups[t._gi].saved[t._k] += 1
+        group = self.run.groups[t._gi]
+        group.saved[t._k] += 1
+        group.bare[t._k] += 1
         return (t._gi, t._k, None)
 
     @untraced
@@ -133,11 +135,11 @@ class SavedParams:
                 group.regather()
         self.node = node
         if t is None:  # a stand-in saved as it was (_pack_stand_in): its gathered leaf
+            group.bare[k] -= 1
             t = group.fulls[k]
             if t is None:  # let go of (an earlier unpack was its last): gathered again
                 t = run.recompute_leaf(gi, k)
         if run.backward:
-            group.handed.add(k)
             self._consumed(group, k, node)
         return t
 
