@@ -329,6 +329,43 @@ def test_two_installs_with_checkpointing_are_refused(pools, spec):
         assert "through fs.call twice with different tensors and checkpointed" in msg, msg
 
 
+def two_installs_without_checkpointing(spec):
+    """The same two installs in a model that does not checkpoint: nothing is recomputed, so
+    it trains as one process (the teacher's tensors are constants). SGD, two steps."""
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(vocab=64, dim=16, heads=2, layers=3, seq=8)
+    ref = copy.deepcopy(model)
+    other = {k: v.detach().clone() * 0.5 for k, v in model.named_parameters()}
+
+    def loss_fn(mod, p, b):
+        with torch.no_grad():
+            teacher = mod(other, b)
+        return F.mse_loss(mod(p, b), teacher)
+
+    step = fs.train_step(lambda p, b: loss_fn(functools.partial(fs.call, model), p, b),
+                         fs.optim.sgd(lr=0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    call_ref = functools.partial(torch.func.functional_call, ref)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (world * 2, 8), generator=g)
+        state, _ = step(state, ids[rank * 2:(rank + 1) * 2])
+        opt.zero_grad()
+        loss_fn(lambda p, b: call_ref(p, b) if p is other else ref(b), None, ids).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("spec", [2, 1])
+def test_two_installs_without_checkpointing_train(pools, spec):
+    for err in pools.run(spec, two_installs_without_checkpointing):
+        assert err < 1e-5, err
+
+
 def called_twice(spec, raf, how):
     """One checkpointed model called twice in a loss (a dual encoder with shared weights):
     each block's group is in two regions, and the second recompute gathers the leaves the

@@ -80,7 +80,10 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     if before is not merged and (before.keys() != merged.keys() or any(
             before[k] is not v for k, v in merged.items())):  # refused if it checkpoints (api)
         run.reinstalled = type(module).__name__
-        run.reinstalled_ids.update(id(t) for d in (before, merged) for t in d.values())
+        # the plain tensors the guard watches for in backward (a stand-in a recompute reads
+        # is refused as it is read: lazy._recomputed; the step's own backward reads them)
+        run.reinstalled_ids.update(id(t) for d in (before, merged) for t in d.values()
+                                   if not isinstance(t, lazy.LazyParam))
     stack = contextlib.ExitStack()
     stack.enter_context(install(module, merged))
     run.installed.append((module, stack))  # undone by Run.finish, after backward
