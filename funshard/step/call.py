@@ -78,7 +78,7 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     merged = _merged(params)
     before = run.installs.setdefault(id(module), merged)
     if before is not merged and (before.keys() != merged.keys() or any(
-            before[k] is not v for k, v in merged.items())):  # refused if it checkpoints (api)
+            before[k] is not v for k, v in merged.items())):  # refused if recomputed
         run.reinstalled = type(module).__name__
         # the plain tensors the guard watches for in backward (a stand-in a recompute reads
         # is refused as it is read: lazy._recomputed; the step's own backward reads them)

@@ -266,7 +266,7 @@ def check_untaken(run) -> None:
 
 
 def _substitute(run, values, recompute: bool = False) -> list:
-    """``values`` with each unbound stand-in replaced by its group's full tensor (for a
+    """``values`` with each stand-in replaced by its group's full tensor (for a
     recompute: :meth:`Run.recompute_leaf`)."""
     out = []
     for x in values:

@@ -50,8 +50,8 @@ class ParamGroups:
         # batch_norm writes them in place without a version bump, so only the stand-in can
         # see (and refuse) it
         self.running_stats = [{k for k, i in enumerate(idx)
-                            if names[i].rsplit(".", 1)[-1] in STATS}
-                           for idx in self.members]
+                               if names[i].rsplit(".", 1)[-1] in STATS}
+                              for idx in self.members]
         self.dtypes = [policy.compute_dtype(n, leaf.dtype) for n, leaf in zip(names, leaves)]
         self.world = mesh.size()
         # per group: no leaf is cast (on a world of one its shards are its full tensors)

@@ -60,7 +60,7 @@ class Run:
         self.reinstalled = ""  # a module fs.call installed twice with other tensors
         self.calling = 0  # fs.call module calls in progress
         self.checkpointing = False  # a region outside them met a stand-in (recompute.backward)
-        self.reinstalled_ids: set[int] = set()  # the tensors of its installations
+        self.reinstalled_ids: set[int] = set()  # its installations' plain tensors
         self.inside: dict[int, int] = {}  # groups whose module's forward runs: its depth
 
     @property
