@@ -268,6 +268,29 @@ def require_eager(what: str) -> None:
             f"{', '.join(EAGER_MISSING)}. Use a torch the step supports (2.11 or newer).")
 
 
+# -- meshes past data parallelism -------------------------------------------------------
+#
+# ``torch.distributed.tensor.placement_types._StridedShard``: the placement of a leaf that
+# the model shards on a dimension (tensor parallel, ``Shard(0)`` on ``"tp"``) and funshard
+# shards again on the same tensor dimension over ``"shard"``: the tensor-parallel split
+# first, then funshard's (what FSDP2 and DTensor's own redistribution use for it). Without
+# it funshard refuses such a leaf (:func:`require_strided`).
+MODEL_MISSING: list[str] = []
+_before = len(MISSING)
+_import("torch.distributed.tensor.placement_types")
+StridedShard = _find("torch.distributed.tensor.placement_types", "_StridedShard")
+MODEL_MISSING.extend(MISSING[_before:])
+del MISSING[_before:]
+
+
+def require_strided(what: str) -> None:
+    """Raise, naming the torch version, if ``_StridedShard`` is missing."""
+    if MODEL_MISSING:
+        raise RuntimeError(
+            f"{what} needs torch internals this torch {torch.__version__} lacks: "
+            f"{', '.join(MODEL_MISSING)}. Use a torch funshard supports (2.11 or newer).")
+
+
 # -- a process group's timeout ------------------------------------------------------------
 #
 # ``ProcessGroup._get_backend(device).options._timeout``: how long a collective on a group

@@ -19,25 +19,39 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _compat, pytree
-from .mesh import SHARD, mesh_str, shard_dim
+from .mesh import DATA, REPLICATE, SHARD, mesh_str, model_dims, shard_dim, submesh
 
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
 
 
+class Model(NamedTuple):
+    """How the model places a leaf on its own mesh dimensions (tensor parallel): what the
+    model is given in place of a gathered plain tensor."""
+
+    mesh: DeviceMesh  # the model's dimensions of the leaf's mesh (``mesh["tp"]``)
+    placements: tuple  # the leaf's placements on it: Shard(d) or Replicate()
+    shape: torch.Size  # the leaf's global shape
+    stride: tuple  # its global stride
+    pieces: int  # how many distinct parts the model's placements cut the leaf into
+
+
 class _Fields(NamedTuple):
     path: str
-    shape: torch.Size  # global shape
+    shape: torch.Size  # the shape gathered over "shard": global, or the model's local part
     dtype: torch.dtype
     sharded: bool  # Shard(0) on "shard"; else replicated everywhere
     world: int  # size of the "shard" mesh dimension
     rank: int  # this rank's coordinate on "shard"
+    model: Model | None = None  # placed by the model on its own dimensions too
 
 
 class Layout(_Fields):
     """Where one leaf's local shard sits in its global tensor (uneven dim 0 included).
 
-    A tuple of its six fields; what follows from them is computed once per layout and kept
-    (the step and the transports read these thousands of times per step)."""
+    A tuple of its fields; what follows from them is computed once per layout and kept
+    (the step and the transports read these thousands of times per step). A leaf the model
+    places on its own mesh dimensions too (:class:`Model`) is laid out over this rank's part
+    of it: ``shape`` is that part's, and the gathered tensor is that part."""
 
     @functools.cached_property
     def rows(self) -> int:
@@ -128,33 +142,147 @@ def gather_bytes(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]) -> in
     return layouts[bp.order[0]].world * bp.segment if bp.order else 0
 
 
-def placements_for(mesh: DeviceMesh, ndim: int, how: str) -> tuple:
-    """Placements for a leaf of ``ndim`` dims: ``how`` is ``"shard"`` or ``"replicate"``."""
-    sdim = shard_dim(mesh)
-    out = [Replicate()] * mesh.ndim
+def placements_for(mesh: DeviceMesh, ndim: int, how: str, model: tuple = ()) -> tuple:
+    """Placements for a leaf of ``ndim`` dims: ``how`` is ``"shard"`` or ``"replicate"``;
+    ``model``: the leaf's placements on the mesh's own dimensions, in their order."""
+    sdim = shard_dim(mesh, model=bool(model))
+    out = [Replicate()] * (mesh.ndim - len(model)) + list(model)
     if how == SHARD and ndim > 0:
-        out[sdim] = Shard(0)
+        out[sdim] = _rows(mesh, model)
     return tuple(out)
 
 
-def layout_of(path: str, t: DTensor) -> Layout:
-    """The :class:`Layout` of a DTensor leaf; ValueError for placements funshard can't gather."""
+def _rows(mesh: DeviceMesh, model: tuple):
+    """The placement of a leaf's rows on ``"shard"``: ``Shard(0)``, or, where the model
+    shards dim 0 too, the model's split first, then funshard's (as FSDP2 places it)."""
+    split = math.prod(mesh.size(mesh.ndim - len(model) + i) for i, p in enumerate(model)
+                      if isinstance(p, Shard) and p.dim == 0)
+    if split == 1:
+        return Shard(0)
+    _compat.require_strided("sharding a leaf the model shards on dim 0")
+    return _compat.StridedShard(0, split_factor=split)
+
+
+def model_of(mesh: DeviceMesh, placements: Sequence, shape: torch.Size, stride: tuple,
+             where: str) -> Model:
+    """The :class:`Model` of a leaf the model places on its own mesh (``mesh["tp"]``) as
+    ``placements``; ValueError for placements funshard cannot shard further."""
+    for name, p in zip(mesh.mesh_dim_names or (), placements):
+        strided = _compat.StridedShard is not None and isinstance(p, _compat.StridedShard)
+        if strided or not isinstance(p, (Shard, Replicate)):
+            kind = "a pending reduction" if isinstance(p, Partial) else "a layout"
+            raise ValueError(
+                f"{where}of shape {tuple(shape)} has placement {p!r} on the model's mesh "
+                f"dimension {name!r} of {mesh_str(mesh)}: {kind} funshard cannot shard further; "
+                "it shards leaves the model places as Shard(d) or Replicate()."
+            )
+    pieces = math.prod(mesh.size(i) for i, p in enumerate(placements) if isinstance(p, Shard))
+    return Model(mesh, tuple(placements), torch.Size(shape), tuple(stride), pieces)
+
+
+def model_part(shape: torch.Size, model: Model) -> torch.Size:
+    """This rank's part of a leaf of global ``shape`` under the model's placements (each
+    ``Shard(d)`` splits as ``torch.chunk`` does, in mesh order)."""
+    return model_box(shape, model)[0]
+
+
+def model_box(shape: torch.Size, model: Model) -> tuple[torch.Size, tuple[int, ...]]:
+    """This rank's part of a leaf of global ``shape`` under the model's placements, and
+    where it starts in the global tensor (a box: one offset per dimension)."""
+    out, at = list(shape), [0] * len(shape)
+    for i, p in enumerate(model.placements):
+        if isinstance(p, Shard):
+            n, k = out[p.dim], model.mesh.size(i)
+            c, chunk = model.mesh.get_local_rank(i), -(-out[p.dim] // k)
+            out[p.dim] = max(0, min(n, (c + 1) * chunk) - c * chunk)
+            at[p.dim] += min(n, c * chunk)
+    return torch.Size(out), tuple(at)
+
+
+def model_slice(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """This rank's part of a global tensor under ``lay``'s model placements (a view), or
+    ``x`` for a leaf the model keeps plain."""
+    if lay.model is None:
+        return x
+    size, at = model_box(x.shape, lay.model)
+    for d, (n, a) in enumerate(zip(size, at)):
+        if n != x.shape[d]:
+            x = x.narrow(d, a, n)
+    return x
+
+
+def layout_of(path: str, t: DTensor, *, model: bool = False, what: str = "") -> Layout:
+    """The :class:`Layout` of a DTensor leaf; ValueError for placements funshard can't gather.
+    ``model``: the caller composes with the model's own mesh dimensions; ``what``: the
+    caller, as errors name it."""
     mesh = t.device_mesh
-    sdim = shard_dim(mesh, where=f"leaf {path!r}: ")
+    sdim = shard_dim(mesh, where=f"{what}: leaf {path!r}: " if what else f"leaf {path!r}: ",
+                     model=model)
+    names = mesh.mesh_dim_names
+    own = len(model_dims(mesh))
+    found = None
+    if own:  # the model's placements, on its own dimensions (the last ones)
+        found = model_of(submesh(mesh, names[mesh.ndim - own:]), t.placements[mesh.ndim - own:],
+                         t.shape, tuple(t.stride()), f"leaf {path!r} ")
     sharded = False
-    for i, p in enumerate(t.placements):
-        name = mesh.mesh_dim_names[i]
-        if i == sdim and isinstance(p, Shard) and p.dim == 0 and t.ndim > 0:
+    for i, p in enumerate(t.placements[:mesh.ndim - own]):
+        rows = _rows(mesh, found.placements if found else ()) if t.ndim > 0 else None
+        if i == sdim and rows is not None and type(p) is type(rows) and p == rows:
             sharded = True
         elif not isinstance(p, Replicate):
             kind = "a pending reduction" if isinstance(p, Partial) else "a layout"
+            want = list(placements_for(mesh, t.ndim, SHARD, found.placements if found else ()))
             raise ValueError(
                 f"leaf {path!r} of shape {tuple(t.shape)} has placement {p!r} on mesh dimension "
-                f"{name!r} of {mesh_str(mesh)}: {kind} funshard cannot gather. funshard gathers "
-                f"Shard(0) on {SHARD!r} and Replicate() elsewhere; redistribute it first, e.g. "
-                f"t.redistribute(mesh, {list(placements_for(mesh, t.ndim, SHARD))})."
+                f"{names[i]!r} of {mesh_str(mesh)}: {kind} funshard cannot gather. funshard "
+                f"gathers {rows or Shard(0)!r} on {SHARD!r} and Replicate() on {REPLICATE!r}; "
+                f"redistribute it first, e.g. t.redistribute(mesh, {want})."
             )
-    return Layout(path, t.shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim))
+    shape = model_part(t.shape, found) if found else t.shape
+    return Layout(path, shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim),
+                  found)
+
+
+def norm_weight(lay: Layout, ranks: int) -> float:
+    """Weight of a leaf's local squared norm in the sum over ``ranks`` ranks (every rank of
+    the widest mesh), so that each element counts once: ``1 / copies`` of each part."""
+    parts = (lay.world if lay.sharded else 1) * (lay.model.pieces if lay.model else 1)
+    return parts / ranks
+
+
+def as_model(full: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """A gathered leaf as the model takes it: a DTensor on the model's mesh for a leaf the
+    model places there (differentiable, no communication), else ``full`` itself."""
+    m = lay.model
+    if m is None:
+        return full
+    return DTensor.from_local(full, m.mesh, m.placements, run_check=False, shape=m.shape,
+                              stride=m.stride)
+
+
+def from_model(t, lay: Layout, what: str) -> torch.Tensor:
+    """The part of ``t`` (full-shape, as the model holds it) that ``lay`` gathers: its local
+    tensor on the model's mesh (a pending reduction there reduced first), or ``t``."""
+    m = lay.model
+    if m is None:
+        if isinstance(t, DTensor):
+            raise TypeError(f"{what}: leaf {lay.path!r} of shape {tuple(t.shape)} is a DTensor "
+                            f"on {mesh_str(t.device_mesh)}, but its parameter is a plain tensor "
+                            "to the model; pass a plain tensor.")
+        return t
+    if not isinstance(t, DTensor) or t.device_mesh != m.mesh:
+        got = (f"a DTensor on {mesh_str(t.device_mesh)}" if isinstance(t, DTensor)
+               else f"a {type(t).__name__}")
+        raise TypeError(
+            f"{what}: leaf {lay.path!r} of shape {tuple(t.shape)} is {got}, but the model places "
+            f"its parameter on {mesh_str(m.mesh)} as {m.placements}; pass a DTensor there "
+            "(what the model's parameter and its gradient are).")
+    if tuple(t.shape) != tuple(m.shape):
+        raise ValueError(f"{what}: leaf {lay.path!r} has shape {tuple(t.shape)} but its parameter "
+                         f"has global shape {tuple(m.shape)} on {mesh_str(m.mesh)}.")
+    if tuple(t.placements) != m.placements:
+        t = t.redistribute(m.mesh, m.placements)
+    return t.to_local()
 
 
 def local_slice(x: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -183,10 +311,13 @@ def transforms_active() -> bool:
     return peek is not None and peek() is not None
 
 
-def describe(tree, *, what: str):
+def describe(tree, *, what: str, model: bool = False):
     """Validate a tree of DTensors; return (mesh, paths, leaves, layouts, spec).
 
-    Every leaf must be a DTensor on one mesh with funshard placements.
+    Every leaf must be a DTensor on one mesh with funshard placements. ``model``: the caller
+    composes with the model's own mesh dimensions: the leaves are on a mesh with them, or on
+    its data-parallel dimensions (a leaf the model keeps as a plain tensor); the mesh
+    returned is the former.
     """
     paths, leaves, spec = pytree.flatten_with_path(tree)
     mesh = None
@@ -209,13 +340,27 @@ def describe(tree, *, what: str):
                 f"{what}: leaf {name!r}{shape} is a {type(leaf).__name__}, expected a DTensor "
                 f"(a sharded leaf from fs.shard). Shard the tree first: fs.shard(tree, mesh)."
             )
+        here = leaf.device_mesh
         if mesh is None:
-            mesh, first = leaf.device_mesh, name
-        elif leaf.device_mesh != mesh:
-            raise ValueError(
-                f"{what}: leaves {first!r} and {name!r} (shape {tuple(leaf.shape)}) are on "
-                f"different meshes, {mesh_str(mesh)} and {mesh_str(leaf.device_mesh)}; one call "
-                "works on one mesh. Split the tree by mesh, or shard both on the same mesh."
-            )
-        layouts.append(layout_of(name, leaf))
+            mesh, first = here, name
+        elif here != mesh:
+            wider = _wider(mesh, here) if model else None
+            if wider is None:
+                raise ValueError(
+                    f"{what}: leaves {first!r} and {name!r} (shape {tuple(leaf.shape)}) are on "
+                    f"different meshes, {mesh_str(mesh)} and {mesh_str(here)}; one call works "
+                    "on one mesh. Split the tree by mesh, or shard both on the same mesh.")
+            mesh, first = wider, (first if wider is mesh else name)
+        layouts.append(layout_of(name, leaf, model=model, what=what))
     return mesh, paths, leaves, layouts, spec
+
+
+def _wider(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh | None:
+    """Of two meshes, the one with the model's own dimensions, if the other is its
+    data-parallel part; else None."""
+    for wide, narrow in ((a, b), (b, a)):
+        if model_dims(wide) and not model_dims(narrow):
+            data = tuple(n for n in wide.mesh_dim_names if n in DATA)
+            if submesh(wide, data) == narrow:
+                return wide
+    return None

@@ -1,10 +1,14 @@
 """Meshes: ``make_mesh``, the process-group set-up, and the names of a mesh's dimensions.
 
-A funshard mesh is 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``: parameters are
-``Shard(0)`` on ``"shard"`` and ``Replicate()`` on ``"replicate"`` (HSDP).
+A funshard mesh has a ``"shard"`` dimension and, for HSDP, a ``"replicate"`` one before it:
+the data-parallel dimensions, where parameters are ``Shard(0)`` and ``Replicate()``. Any other
+named dimension after them is the model's own (tensor parallel: ``"tp"``): its placements
+are the model's (torch's ``parallelize_module``), and funshard shards each leaf's tensor on
+that dimension over the data-parallel ones, as FSDP2 composes with tensor parallelism.
 
     >>> mesh = make_mesh(shard=2)                  # 1-D, 2 ranks
     >>> mesh = make_mesh(shard=2, replicate=2)     # 2-D, 4 ranks
+    >>> mesh = make_mesh(shard=2, tp=2)            # ("shard", "tp"), 4 ranks; mesh["tp"]
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 SHARD = "shard"
 REPLICATE = "replicate"
+TP = "tp"
+DATA = (REPLICATE, SHARD)  # the data-parallel dimensions' names
 
 
 def mesh_str(mesh: DeviceMesh) -> str:
@@ -29,22 +35,62 @@ def mesh_str(mesh: DeviceMesh) -> str:
     return f"DeviceMesh({dims}; {mesh.device_type})"
 
 
-def shard_dim(mesh: DeviceMesh, *, where: str = "") -> int:
-    """Index of the mesh's ``"shard"`` dimension; ValueError naming the mesh if absent."""
+def shard_dim(mesh: DeviceMesh, *, where: str = "", model: bool = False) -> int:
+    """Index of the mesh's ``"shard"`` dimension; ValueError naming the mesh if absent, or if
+    the mesh has a dimension other than the data-parallel ones where the caller has no use
+    for it (``model``: the caller composes with the model's own dimensions)."""
     names = mesh.mesh_dim_names or ()
     if SHARD not in names:
         raise ValueError(
             f"{where}mesh {mesh_str(mesh)} has no {SHARD!r} dimension; funshard shards over a "
             f"mesh dimension named {SHARD!r} (and replicates over {REPLICATE!r}). Build the mesh "
-            "with fs.make_mesh(shard=..., replicate=...)."
+            "with fs.make_mesh(shard=..., replicate=..., tp=...)."
         )
-    for name in names:
-        if name not in (SHARD, REPLICATE):
-            raise ValueError(
-                f"{where}mesh {mesh_str(mesh)} has a dimension {name!r}; funshard meshes have only "
-                f"{REPLICATE!r} and {SHARD!r} dimensions. Build the mesh with fs.make_mesh(...)."
-            )
+    others = [n for n in names if n not in DATA]
+    if others and not model:
+        raise ValueError(
+            f"{where}mesh {mesh_str(mesh)} has the model's own dimension {others[0]!r} (tensor "
+            "or expert parallel), which this does not compose with yet. fs.shard, fs.unshard, "
+            "fs.reshard, fs.reduce_grads, the optimizers (Muon aside), fs.state_dict / "
+            "fs.load_state_dict (without rank0_only) and fs.checkpoint do; the training and "
+            f"evaluation steps take meshes of {REPLICATE!r} and {SHARD!r} only for now."
+        )
+    late = [n for n in names[:names.index(SHARD)] if n != REPLICATE]
+    if late or REPLICATE in names[names.index(SHARD):]:
+        bad = late[0] if late else REPLICATE
+        raise ValueError(
+            f"{where}mesh {mesh_str(mesh)}: its dimension {bad!r} is on the wrong side of "
+            f"{SHARD!r}; the dimensions come as {REPLICATE!r}, {SHARD!r}, then the model's own "
+            "(tensor parallel), as fs.make_mesh(replicate=..., shard=..., tp=...) builds them."
+        )
     return names.index(SHARD)
+
+
+def model_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s dimensions that are the model's own (not data-parallel)."""
+    return tuple(n for n in (mesh.mesh_dim_names or ()) if n not in DATA)
+
+
+def data_size(mesh: DeviceMesh) -> int:
+    """Ranks over the data-parallel dimensions (``"replicate"`` x ``"shard"``): how many
+    copies of the batch a mean gradient is over."""
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    return sizes[SHARD] * sizes.get(REPLICATE, 1)
+
+
+def submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]``, the same object for the same mesh and names (a slice is a new mesh
+    each time it is taken)."""
+    if tuple(mesh.mesh_dim_names) == names:
+        return mesh
+    key = (id(mesh), names)
+    hit = _SUBMESHES.get(key)
+    if hit is None or hit[0] is not mesh:
+        hit = _SUBMESHES[key] = (mesh, mesh[names])
+    return hit[1]
+
+
+_SUBMESHES: dict = {}
 
 
 def process_groups(mesh: DeviceMesh):
@@ -129,10 +175,12 @@ def make_mesh(
     shard: int | None = None,
     replicate: int = 1,
     *,
+    tp: int = 1,
     device_type: str | None = None,
     timeout: float | None = None,
 ) -> DeviceMesh:
-    """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks.
+    """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks, with a
+    ``"tp"`` dimension last when ``tp > 1``.
 
     Initialises the default process group from torchrun's environment when needed (NCCL on
     CUDA, gloo on CPU); a single process without that environment gets a world of 1.
@@ -140,6 +188,8 @@ def make_mesh(
     Args:
         shard: ranks per shard group (default: world size // replicate).
         replicate: number of replicas (HSDP); 1 gives a 1-D mesh.
+        tp: ranks per tensor-parallel group, the innermost dimension (neighbouring ranks,
+            one host's GPUs): ``mesh["tp"]`` is what ``parallelize_module`` takes.
         device_type: "cuda" or "cpu" (default: cuda when available).
         timeout: seconds a collective may wait before it fails with a timeout error on
             every rank (default: torch's, 10-30 minutes); used when this call initialises
@@ -149,26 +199,28 @@ def make_mesh(
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, v in (("shard", shard), ("replicate", replicate)):
+    for name, v in (("shard", shard), ("replicate", replicate), ("tp", tp)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"make_mesh: {name}={v!r} must be a positive int")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"make_mesh: timeout={timeout!r} must be a positive number of seconds")
     _init_process_group(device_type, timeout)
     world = dist.get_world_size()
-    if world % replicate:
+    outer = replicate * tp
+    if world % outer:
         raise ValueError(
-            f"make_mesh: replicate={replicate} does not divide the world size {world}; "
-            f"choose replicate from the divisors of {world}."
+            f"make_mesh: replicate={replicate} x tp={tp} = {outer} does not divide the world "
+            f"size {world}; choose them from the divisors of {world}."
         )
     if shard is None:
-        shard = world // replicate
-    if shard * replicate != world:
+        shard = world // outer
+    if shard * outer != world:
         raise ValueError(
-            f"make_mesh: shard={shard} x replicate={replicate} = {shard * replicate} ranks, but "
-            f"the world has {world}; the mesh must cover every rank "
-            f"(e.g. shard={world // replicate})."
+            f"make_mesh: shard={shard} x replicate={replicate} x tp={tp} = {shard * outer} "
+            f"ranks, but the world has {world}; the mesh must cover every rank "
+            f"(e.g. shard={world // outer})."
         )
-    if replicate == 1:
-        return init_device_mesh(device_type, (shard,), mesh_dim_names=(SHARD,))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+    dims = [(REPLICATE, replicate)] if replicate > 1 else []
+    dims += [(SHARD, shard)] + ([(TP, tp)] if tp > 1 else [])
+    return init_device_mesh(device_type, tuple(n for _, n in dims),
+                            mesh_dim_names=tuple(name for name, _ in dims))

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, pytree
-from .layout import Layout, as_dtensor, check_float_dtype, describe
-from .mesh import mesh_str, replicas
+from .layout import Layout, as_dtensor, check_float_dtype, describe, from_model, norm_weight
+from .mesh import mesh_str
 
 
 def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dtype | None = None,
@@ -20,7 +20,10 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
     """Per-rank full-shape gradients -> shards of their mean (or sum) over all mesh ranks.
 
     Args:
-        local_grads: tree of full-shape tensors (or None), ``like``'s structure.
+        local_grads: tree of full-shape tensors (or None), ``like``'s structure; on a mesh
+            with the model's own dimensions, a leaf the model places there has its gradient
+            as the model holds it: a DTensor on ``mesh["tp"]`` (a pending reduction there is
+            reduced first).
         like: the sharded tree (DTensors) whose placements the result takes.
         op: ``"mean"`` (default) or ``"sum"`` over data-parallel ranks.
         reduce_dtype: reduce in this dtype (e.g. float32 for bf16 grads).
@@ -37,8 +40,10 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
     check_float_dtype(reduce_dtype, "reduce_grads: reduce_dtype")
     if op not in ("mean", "sum"):
         raise ValueError(f"reduce_grads: op={op!r}; use 'mean' or 'sum'")
-    mesh, paths, likes, layouts, spec = describe(like, what="reduce_grads")
+    mesh, paths, likes, layouts, spec = describe(like, what="reduce_grads", model=True)
     gl = pytree.leaves_like(local_grads, like, names=("local_grads", "like"))
+    gl = [None if g is None else from_model(g.detach(), lay, "reduce_grads")
+          for g, lay in zip(gl, layouts)]
     for lay, g in zip(layouts, gl):
         if g is not None and tuple(g.shape) != tuple(lay.shape):
             raise ValueError(
@@ -61,8 +66,7 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
 def norm_weights(layouts: Sequence[Layout], mesh) -> list[float]:
     """Weight of each leaf's local squared norm in the all-ranks sum, so that every element
     counts once: a sharded leaf is held once per replica, a replicated one by every rank."""
-    rep, world = replicas(mesh), mesh.size()
-    return [1.0 / rep if lay.sharded else 1.0 / world for lay in layouts]
+    return [norm_weight(lay, mesh.size()) for lay in layouts]
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor,

@@ -16,20 +16,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import collectives, pytree
-from .layout import (Layout, as_dtensor, check_float_dtype, compute_dtype, describe, local_slice,
-                     placements_for, transforms_active)
-from .mesh import REPLICATE, SHARD, mesh_device, mesh_str, shard_dim
+from .layout import (Layout, Model, as_dtensor, as_model, check_float_dtype, compute_dtype,
+                     describe, from_model, local_slice, model_of, model_part, placements_for,
+                     transforms_active)
+from .mesh import DATA, REPLICATE, SHARD, mesh_device, mesh_str, model_dims, shard_dim, submesh
 
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
 
 
-def _check_leaf(name: str, leaf: Any, what: str) -> torch.Tensor:
-    if isinstance(leaf, DTensor):
+def _check_leaf(name: str, leaf: Any, what: str, model: DeviceMesh | None = None
+                ) -> torch.Tensor:
+    """``leaf`` as a full tensor: a plain one, or (``model``: the mesh's own dimensions) a
+    DTensor the model placed there."""
+    if isinstance(leaf, DTensor) and (model is None or leaf.device_mesh != model):
         dims = set(leaf.device_mesh.mesh_dim_names or ())
-        why = ("pass full tensors (fs.unshard gives them back)" if dims <= {SHARD, REPLICATE}
-               else f"its placements {tuple(leaf.placements)} are another parallelism's "
-               "(tensor or expert parallel, e.g. torch's parallelize_module), which funshard "
-               "does not compose with yet: shard a model whose parameters are plain tensors")
+        why = ("pass full tensors (fs.unshard gives them back)" if dims <= set(DATA)
+               else f"its placements {tuple(leaf.placements)} are the model's own (tensor or "
+               "expert parallel, e.g. torch's parallelize_module): shard it on a mesh whose "
+               "last dimensions are that mesh's, e.g. fs.make_mesh(shard=..., tp=...) with the "
+               'model parallelized on mesh["tp"]')
+        if model is not None:
+            why = (f"the mesh's own dimensions are {mesh_str(model)}; a DTensor leaf must be "
+                   "on them (the mesh the model was parallelized on)")
         raise TypeError(
             f"{what}: leaf {name!r} of shape {tuple(leaf.shape)} is already a DTensor on "
             f"{mesh_str(leaf.device_mesh)}; {why}."
@@ -43,7 +51,7 @@ def _check_leaf(name: str, leaf: Any, what: str) -> torch.Tensor:
 
 
 def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
-    """Full tensors -> DTensor shards: Shard(0) on ``"shard"``, Replicate() elsewhere.
+    """Full tensors -> DTensor shards: Shard(0) on ``"shard"``, Replicate() on ``"replicate"``.
 
     Every rank must pass the same values (as with ``distribute_tensor(src_data_rank=None)``);
     nothing is communicated. Uneven dim 0 splits as ``torch.chunk`` does (7 rows on 3 ranks:
@@ -52,6 +60,12 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     with NaN (floating dtypes; others uninitialised): load weights into it next
     (:func:`fs.load_state_dict`, :func:`fs.checkpoint.import_full`); a step on weights never
     loaded sees a NaN loss and refuses it.
+
+    On a mesh with the model's own dimensions after the data-parallel ones
+    (``fs.make_mesh(shard=2, tp=2)``), a leaf the model placed on them (a DTensor on
+    ``mesh["tp"]``, from torch's ``parallelize_module``) keeps that placement, and its part
+    on this rank is sharded over ``"shard"`` (where both split dim 0, the model's split
+    first, as FSDP2 does); a plain leaf is sharded over the data-parallel dimensions alone.
 
     Args:
         tree: pytree of full tensors (e.g. ``fs.params(model)``).
@@ -63,31 +77,40 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    shard_dim(mesh, where="shard: ")
+    shard_dim(mesh, where="shard: ", model=True)
+    own = model_dims(mesh)
+    # a mesh with the model's own dimensions: a leaf the model placed there (a DTensor on
+    # them) goes on the whole mesh; a plain one on the data-parallel dimensions alone
+    model_mesh = submesh(mesh, own) if own else None
+    data_mesh = submesh(mesh, tuple(n for n in mesh.mesh_dim_names if n in DATA))
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
     device = mesh_device(mesh)
     out = []
     for p, leaf, how in zip(paths, leaves, hows):
         name = pytree.fqn(p)
-        t = _check_leaf(name, leaf, "shard")
+        t = _check_leaf(name, leaf, "shard", model_mesh)
         if how not in (SHARD, REPLICATE):
             raise ValueError(
                 f"shard: spec for leaf {name!r} (shape {tuple(t.shape)}) is {how!r}; use "
                 f"{SHARD!r} or {REPLICATE!r}."
             )
-        placements = placements_for(mesh, t.ndim, how)
-        lay = _layout(name, t, mesh, placements)
+        model = (model_of(model_mesh, t.placements, t.shape, tuple(t.stride()),
+                          f"shard: leaf {name!r} ") if isinstance(t, DTensor) else None)
+        on = mesh if model is not None else data_mesh
+        placements = placements_for(on, t.ndim, how, model.placements if model else ())
+        lay = _layout(name, t, on, placements, model)
         if t.is_meta:  # only this rank's rows; NaN until loaded, so a forgotten load fails
             local = torch.empty(lay.local_shape, dtype=t.dtype, device=device)
             if local.is_floating_point() or local.is_complex():
                 local.fill_(float("nan"))
         else:
-            local = local_slice(t.detach(), lay).to(device, copy=True)
+            part = t.to_local() if model is not None else t
+            local = local_slice(part.detach(), lay).to(device, copy=True)
             local = local.contiguous()
         d = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=t.shape,
-            stride=_global_stride(t.shape, local, mesh, placements),
+            local, on, placements, run_check=False, shape=t.shape,
+            stride=_global_stride(t.shape, local, on, placements),
         )
         out.append(d.requires_grad_(t.requires_grad) if t.requires_grad else d)
     return pytree.unflatten(tspec, out)
@@ -108,10 +131,13 @@ def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,
     return tuple(reversed(stride))
 
 
-def _layout(name: str, t: torch.Tensor, mesh: DeviceMesh, placements) -> Layout:
-    sdim = shard_dim(mesh)
-    sharded = any(getattr(p, "dim", None) == 0 for p in placements)
-    return Layout(name, t.shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim))
+def _layout(name: str, t: torch.Tensor, mesh: DeviceMesh, placements,
+            model: Model | None) -> Layout:
+    sdim = shard_dim(mesh, model=model is not None)
+    sharded = t.ndim > 0 and getattr(placements[sdim], "dim", None) == 0
+    shape = model_part(t.shape, model) if model is not None else t.shape
+    return Layout(name, shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim),
+                  model)
 
 
 def unshard(
@@ -136,13 +162,16 @@ def unshard(
             ``"p2p"`` or ``"cma"`` (opt-in, one host's gloo CPU ranks; see
             :mod:`funshard.collectives.base`).
     Returns:
-        the same tree with full-shape plain tensors.
+        the same tree with full-shape plain tensors; on a mesh with the model's own
+        dimensions (``"tp"``), a leaf the model placed there comes back as the model holds
+        it: a DTensor on ``mesh["tp"]`` with the model's placements, whose local part is
+        gathered over the data-parallel dimensions only.
 
     Example: ``unshard(shard({"w": x}, mesh))["w"]`` equals ``x`` bitwise.
     """
     collectives.failures.in_step()  # see [Note: a rank out of step]
     collectives.check_transport(transport, where="unshard")
-    mesh, paths, leaves, layouts, spec = describe(tree, what="unshard")
+    mesh, paths, leaves, layouts, spec = describe(tree, what="unshard", model=True)
     if not leaves:
         return pytree.unflatten(spec, [])
     # differentiable: grads come back as DTensors. Inside a torch.func transform (over other
@@ -154,7 +183,7 @@ def unshard(
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
     full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
                           reduce_dtype=reduce_dtype, transport=transport)
-    return pytree.unflatten(spec, full)
+    return pytree.unflatten(spec, [as_model(f, lay) for f, lay in zip(full, layouts)])
 
 
 def reshard(full: Any, like: Any) -> Any:
@@ -169,10 +198,11 @@ def reshard(full: Any, like: Any) -> Any:
     Example: ``reshard(unshard(s), like=s)`` equals ``s`` shard for shard.
     """
     pytree.check_same_structure(full, like, names=("full", "like"))
-    mesh, paths, likes, layouts, spec = describe(like, what="reshard")
+    mesh, paths, likes, layouts, spec = describe(like, what="reshard", model=True)
     out = []
     for leaf, d, lay in zip(pytree.flatten(full)[0], likes, layouts):
-        t = _check_leaf(lay.path, leaf, "reshard")
+        t = from_model(_check_leaf(lay.path, leaf, "reshard", lay.model and lay.model.mesh),
+                       lay, "reshard")
         if tuple(t.shape) != tuple(lay.shape):
             raise ValueError(
                 f"reshard: leaf {lay.path!r} has shape {tuple(t.shape)} but like's DTensor has "

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import collectives, pytree
-from .layout import as_dtensor, layout_of, local_slice
+from .layout import as_dtensor, as_model, layout_of, local_slice, model_box, model_slice
 from ._ranks import _broadcast_obj, _rank, _world
 from ._scatter import _scatter_group
 from .mesh import mesh_str
@@ -122,7 +122,7 @@ def state_dict(tree: Tree, kind: str = "full", *, rank0_only: bool = False,
     keys, leaves, _ = _flat(tree)
     for k, v in zip(keys, leaves):
         if isinstance(v, DTensor):
-            layout_of(k, v)  # placements funshard can gather, or a clear error
+            layout_of(k, v, what="state_dict", model=True)  # placements it gathers, or an error
     if kind == "sharded":
         return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in zip(keys, leaves)}
     if kind == "local":
@@ -135,9 +135,10 @@ def _local_shard(key: str, v: Any) -> Any:
         return v
     if not isinstance(v, DTensor):
         return LocalShard(v.detach(), tuple(v.shape), (0,) * v.ndim, (), ())
-    lay = layout_of(key, v)
+    lay = layout_of(key, v, model=True)
     mesh = v.device_mesh
-    offset = (lay.start,) + (0,) * (v.ndim - 1) if v.ndim else ()
+    at = model_box(v.shape, lay.model)[1] if lay.model else (0,) * v.ndim
+    offset = (at[0] + lay.start, *at[1:]) if v.ndim else ()
     return LocalShard(v._local_tensor.detach(), tuple(v.shape), offset,
                       tuple(zip(mesh.mesh_dim_names, mesh.shape)),
                       tuple(repr(p) for p in v.placements))
@@ -163,16 +164,20 @@ def _full(keys, leaves, *, rank0_only: bool, cpu_offload: bool) -> dict[str, Any
     keep = not rank0_only or _rank() == 0
     out: dict[str, Any] = dict.fromkeys(keys)
     for idx in _groups(keys, leaves):
-        sharded = [i for i in idx if isinstance(leaves[i], DTensor)
-                   and layout_of(keys[i], leaves[i]).sharded]
+        lays = {i: layout_of(keys[i], leaves[i], model=True) for i in idx
+                if isinstance(leaves[i], DTensor)}
+        sharded = [i for i in lays if lays[i].sharded]
         got: dict[int, torch.Tensor] = {}
         if sharded:
             mesh = leaves[sharded[0]].device_mesh
-            lays = [layout_of(keys[i], leaves[i]) for i in sharded]
             shards = [leaves[i]._local_tensor.detach() for i in sharded]
-            full = collectives.all_gather(lays, shards, mesh).wait()  # one collective
-            got = dict(zip(sharded, full))
+            full = collectives.all_gather([lays[i] for i in sharded], shards, mesh).wait()
+            got = dict(zip(sharded, full))  # one collective
             del full, shards
+        for i in lays:  # the model's parts, gathered over its own dimensions (every rank)
+            if lays[i].model is not None:
+                part = got.get(i, leaves[i]._local_tensor.detach())
+                got[i] = as_model(part, lays[i]).full_tensor()
         if not keep:
             continue
         for i in idx:
@@ -218,6 +223,10 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
     """
     collectives.failures.in_step()  # see [Note: a rank out of step]
     keys, likes, spec = _flat(like)
+    for k, v in zip(keys, likes):  # placements funshard lays out, or an error
+        if isinstance(v, DTensor):
+            layout_of(k, v, what="load_state_dict" + (", rank0_only" if rank0_only else ""),
+                      model=not rank0_only)
     if isinstance(sd, dict):
         sd = with_later_fields(sd, like, dict(zip(keys, likes)))
     if rank0_only and _world() > 1:
@@ -338,8 +347,8 @@ def _build(key: str, got: Any, want: Any) -> Any:
             got = got.redistribute(want.device_mesh, want.placements)
         local = got._local_tensor.detach().to(want.device, copy=True)
     elif isinstance(want, DTensor):
-        lay = layout_of(key, want)
-        local = local_slice(got.detach(), lay).to(want.device, copy=True)
+        lay = layout_of(key, want, model=True)
+        local = local_slice(model_slice(got.detach(), lay), lay).to(want.device, copy=True)
     else:
         local = got.detach().to(want.device, copy=True)
     return _like(local.contiguous(), want)

@@ -115,7 +115,7 @@ def tensor_parallel_leaves(spec):
 
 def test_tensor_parallel_leaves_are_refused_by_name(pools):
     """Not a funshard DTensor: the message names the leaf, its mesh and placements and says
-    that funshard does not compose with another parallelism yet (not "fs.unshard them")."""
+    that it composes on a mesh with the model's own dimension (not "fs.unshard them")."""
     for kind, msg in pools.run(2, tensor_parallel_leaves):
         assert kind == "TypeError", (kind, msg)
         for part in ("'0.weight'", "(8, 4)", "'tp': 2", "Shard(dim=0)",

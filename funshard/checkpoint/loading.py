@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..collectives import calls, failures
 from .. import pytree
-from ..layout import as_dtensor
+from ..layout import as_dtensor, layout_of
 from .._ranks import _rank, _world
 from ..state_dict import SCALE, Tree, _describe_value, _flat, _like, later_fields
 from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
@@ -61,6 +61,9 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
     Example: ``state = load("ckpt/step_000100", like=step.init(fs.shard(params, mesh)))``.
     """
     keys, likes, spec = _flat(like)
+    for k, v in zip(keys, likes):  # the same on every rank: before any collective
+        if isinstance(v, DTensor):
+            layout_of(k, v, what="checkpoint.load", model=True)  # what it lays out, or an error
     like_sd = dict(zip(keys, likes))
     later = later_fields(like, like_sd)
     real, err = check_path("load", path)

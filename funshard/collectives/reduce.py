@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
-from ..mesh import REPLICATE, SHARD, mesh_device, mesh_str, process_groups
+from ..mesh import REPLICATE, SHARD, data_size, mesh_device, mesh_str, process_groups
 from .base import skips, watch
 from .gather import choose
 
@@ -107,7 +107,7 @@ class GradBucket:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
         self.device = device if device is not None else mesh_device(mesh)
-        self.world = mesh.size()
+        self.world = data_size(mesh)  # the model's own dimensions hold other parts
         self.divide = self.world if op == "mean" else 1
         self.alias = alias
         self.skip = skips(self.world)

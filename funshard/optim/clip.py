@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import collectives
-from ..layout import layout_of
-from ..mesh import process_groups, replicas
+from ..layout import layout_of, norm_weight
+from ..mesh import model_dims, process_groups
 from ..reduce import local_sq_norm
 from .base import (EmptyState, GradientTransformation, Tree, as_delta, flatten, materialize,
                    path_str, unflatten)
@@ -33,15 +33,19 @@ from .measured import known as measured_for
 
 
 def _mesh_of(leaves: list):
-    return next((p.device_mesh for p in leaves if isinstance(p, DTensor)), None)
+    """The leaves' mesh: the one with the model's own dimensions where some leaves are on it
+    and others on its data-parallel part."""
+    meshes = [p.device_mesh for p in leaves if isinstance(p, DTensor)]
+    return max(meshes, key=lambda m: m.ndim, default=None)
 
 
 def _all_reduce(t: torch.Tensor, mesh, op, what: str) -> torch.Tensor:
-    """Sum (or max) of ``t`` over every rank of ``mesh``: over "shard", then "replicate"."""
+    """Sum (or max) of ``t`` over every rank of ``mesh``: over "shard", then "replicate",
+    then the model's own dimensions."""
     if mesh is None or collectives.skips(mesh.size()):
         return t
     with collectives.watch(what, mesh):
-        for pg in process_groups(mesh):
+        for pg in process_groups(mesh) + tuple(mesh.get_group(n) for n in model_dims(mesh)):
             if pg is not None:
                 dist.all_reduce(t, op=op, group=pg)
     return t
@@ -63,12 +67,9 @@ def global_norm(updates: Tree, params: Tree) -> float:
         return known.norm
     mesh = _mesh_of(p_leaves)
     idx = [i for i, u in enumerate(u_leaves) if u is not None]
-    world, rep = (mesh.size(), replicas(mesh)) if mesh is not None else (1, 1)
-    weights = []
-    for i in idx:
-        p = p_leaves[i]
-        sharded = isinstance(p, DTensor) and layout_of(path_str(paths[i]), p).sharded
-        weights.append(1.0 / rep if sharded else 1.0 / world)
+    world = mesh.size() if mesh is not None else 1
+    weights = [norm_weight(layout_of(path_str(paths[i]), p_leaves[i], model=True), world)
+               if isinstance(p_leaves[i], DTensor) else 1.0 / world for i in idx]
     # one leaf materialized at a time (no transient beyond the largest leaf); then the sum
     # as reduce.local_sq_norm forms it
     norms = [torch._foreach_norm([materialize(u_leaves[i], p_leaves[i]).float()])[0] for i in idx]

@@ -1,0 +1,327 @@
+"""Meshes past data parallelism: funshard's shard / unshard / reshard / reduce_grads and the
+optimizers over leaves a tensor-parallel model (torch's ``parallelize_module``) places on the
+mesh's ``"tp"`` dimension, on 4 gloo ranks, against one process and DTensor's own reading."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funshard as fs
+from funshard.testing import capture, make_tensor, mesh
+from funshard.testing.strategies import shapes
+
+TP_MESHES = ["1x2x2", "2x1x2"]  # replicate x shard x tp, 4 ranks
+
+
+# -- the laws: DTensor reads funshard's placements as funshard lays the leaves out ---------
+
+
+def placed_roundtrip(spec, cases, seed):
+    """For each (shape, model placement): the model's DTensor on mesh["tp"] -> fs.shard ->
+    what DTensor's own full_tensor reads, unshard, reshard."""
+    m = mesh(spec)
+    problems = []
+    for i, (shape, kind) in enumerate(cases):
+        x = make_tensor(shape, "float32", seed + i)
+        pl = Replicate() if kind is None else Shard(kind)
+        d = distribute_tensor(x, m["tp"], [pl], src_data_rank=None)
+        s = fs.shard({"w": d}, m)["w"]
+        name = f"{shape} {pl}"
+        if not isinstance(s, DTensor) or s.device_mesh != m or s.shape != x.shape:
+            problems.append(f"{name}: shard gave {type(s).__name__} {tuple(s.shape)}")
+            continue
+        if not torch.equal(s.full_tensor(), x):
+            problems.append(f"{name}: DTensor reads placements {s.placements} as another tensor")
+        full = fs.unshard({"w": s})["w"]
+        if not (isinstance(full, DTensor) and full.device_mesh == m["tp"]
+                and tuple(full.placements) == (pl,)):
+            problems.append(f"{name}: unshard gave {full!r:.80}")
+            continue
+        if not torch.equal(full.to_local(), d.to_local()):
+            problems.append(f"{name}: unshard's local part differs from the model's")
+        back = fs.reshard({"w": full}, like={"w": s})["w"]
+        if not (torch.equal(back.to_local(), s.to_local()) and back.placements == s.placements):
+            problems.append(f"{name}: reshard(unshard(s)) != s")
+    return problems
+
+
+CASES = st.lists(
+    shapes(min_dims=1, max_dims=3).flatmap(
+        lambda s: st.tuples(st.just(s), st.sampled_from([None, *range(len(s))]))),
+    min_size=1, max_size=4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cases=CASES, seed=st.integers(0, 1000), spec=st.sampled_from(TP_MESHES))
+def test_shard_places_the_model_part_as_dtensor_reads_it(pools, cases, seed, spec):
+    """Uneven shapes included: the tensor-parallel split first, then funshard's rows of each
+    part, which DTensor's own ``full_tensor`` reads back as the global tensor (the placement
+    on "shard" is the model's split first when both split dim 0)."""
+    for problems in pools.run(spec, placed_roundtrip, cases, seed):
+        assert not problems, problems
+
+
+# -- training as one process ----------------------------------------------------------------
+
+
+def _transformer(tp_mesh=None, sequence_parallel=False):
+    from torch.testing._internal.distributed._tensor.common_dtensor import (ModelArgs,
+                                                                            Transformer)
+    torch.manual_seed(0)
+    args = ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4,
+                     dropout_p=0.0)
+    model = Transformer(args)
+    if tp_mesh is not None:  # on the CPU: no sharding rule for the flash-attention kernel
+        model = Transformer.parallelize(model, tp_mesh, sequence_parallel,
+                                        local_output_for_attn=True)
+    return model
+
+
+def _batch(step):
+    toks = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(100 + step))
+    return toks[:, :-1], toks[:, 1:]
+
+
+def _loss(model, params, x, y):
+    out = torch.func.functional_call(model, params, (x,))
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class _Collectives(TorchDispatchMode):
+    """funshard's own collectives (c10d ops) apart from the model's (DTensor's functional
+    collectives), with the process group each runs on."""
+
+    def __init__(self):
+        super().__init__()
+        self.ours, self.model = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns, name = func.namespace, func._opname
+        if ns == "c10d" and name in ("allgather_", "_allgather_base_",
+                                     "allgather_into_tensor_coalesced_",
+                                     "reduce_scatter_tensor_coalesced_",
+                                     "_reduce_scatter_base_", "reduce_scatter_", "allreduce_"):
+            pg = next(a for a in args if isinstance(a, torch.ScriptObject))
+            self.ours.append((name, dist.ProcessGroup.unbox(pg).group_name))
+        elif ns == "_c10d_functional":
+            names = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, str)]
+            if names:  # a collective (not a wrapper): the group's name comes last
+                self.model.append((name, names[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def tp_trains(spec, sequence_parallel, optimizer):
+    """3 AdamW steps over fs.unshard -> the model -> backward on this rank's rows of the
+    batch; the losses, the trained parameters and the collectives of the first step."""
+    m = mesh(spec)
+    model = _transformer(m["tp"], sequence_parallel)
+    params = {k: v.detach().requires_grad_() for k, v in fs.shard(fs.params(model), m).items()}
+    opt = (fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.adamw(1e-2))
+           if optimizer == "adamw" else fs.optim.sgd(0.5, momentum=0.9))
+    state = opt.init(params)
+    ndp = fs.mesh.data_size(m)
+    dp = dist.get_rank() // m.size(m.ndim - 1)  # "tp" is the innermost dimension
+    rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
+    losses, seen = [], None
+    for step in range(3):
+        x, y = _batch(step)
+        with _Collectives() as cc:
+            loss = _loss(model, fs.unshard(params), x[rows], y[rows])
+            loss.backward()
+        seen = seen or cc
+        grads = {k: v.grad for k, v in params.items()}
+        for v in params.values():
+            v.grad = None
+        params, state = opt.update(grads, state, params, step=step)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # each loss is held by every tp rank of its data-parallel rank
+        losses.append(mean.item() / m.size())
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in fs.unshard(params).items()}
+    # each group by its ranks: a slice's group may be another mesh's over the same ranks
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    ranks = lambda name: tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+    ours = [(op, ranks(g)) for op, g in seen.ours]
+    theirs = [(op, ranks(g)) for op, g in seen.model]
+    groups = {n: tuple(dist.get_process_group_ranks(m.get_group(n))) for n in m.mesh_dim_names}
+    return losses, full, ours, theirs, groups
+
+
+def one_process(optimizer):
+    model = _transformer()
+    params = {k: torch.nn.Parameter(v.detach().clone()) for k, v in fs.params(model).items()}
+    opt = (torch.optim.AdamW(params.values(), lr=1e-2, foreach=True) if optimizer == "adamw"
+           else torch.optim.SGD(params.values(), lr=0.5, momentum=0.9, foreach=True))
+    losses = []
+    for step in range(3):
+        x, y = _batch(step)
+        loss = _loss(model, params, x, y)
+        loss.backward()
+        if optimizer == "adamw":
+            torch.nn.utils.clip_grad_norm_(params.values(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("spec", TP_MESHES)
+@pytest.mark.parametrize("sequence_parallel,optimizer", [
+    (False, "adamw"), (True, "adamw"), (True, "sgd")], ids=["tp", "tp+sp", "tp+sp-sgd"])
+def test_tensor_parallel_transformer_trains_as_one_process(pools, spec, sequence_parallel,
+                                                           optimizer):
+    """torch's own 2-D test Transformer, parallelized by its own plan (with and without
+    sequence parallel), sharded by funshard over the data-parallel dimensions: 3 steps (AdamW
+    with a clipped global norm; SGD with momentum, which sees a gradient's scale) match one
+    process on the whole batch; funshard's collectives
+    are one all-gather in forward and one reduce-scatter in backward on "shard" (an all-reduce
+    on "replicate"), every other one the model's, on "tp"."""
+    want_losses, want = one_process(optimizer)
+    for losses, full, ours, theirs, groups in pools.run(spec, tp_trains, sequence_parallel,
+                                                        optimizer):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        kinds = [name for name, _ in ours]
+        if "replicate" in groups:  # shard=1: nothing to gather; the mean over the replicas
+            assert ours == [("allreduce_", groups["replicate"])], ours
+        else:
+            assert len(kinds) == 2 and "gather" in kinds[0] and "reduce_scatter" in kinds[1], ours
+            assert {g for _, g in ours} == {groups["shard"]}, ours
+        assert theirs and {g for _, g in theirs} == {groups["tp"]}, theirs
+
+
+# -- reduce_grads and the norm over every dimension ----------------------------------------
+
+
+def tp_reduce(spec, seed):
+    """Per-data-parallel-rank gradients of a row- and a column-split leaf and a replicated
+    one, as the model holds them (DTensors on mesh["tp"]) -> reduce_grads: their mean over
+    the data-parallel ranks, as DTensor reads it; and the global norm of those shards."""
+    m = mesh(spec)
+    ndp = fs.mesh.data_size(m)
+    dp = dist.get_rank() // m.size(m.ndim - 1)
+    shapes_ = {"col": (6, 4), "row": (5, 3), "rep": (3,)}
+    pls = {"col": Shard(0), "row": Shard(1), "rep": Replicate()}
+    like = fs.shard({k: distribute_tensor(make_tensor(s, "float32", seed), m["tp"], [pls[k]],
+                                          src_data_rank=None) for k, s in shapes_.items()}, m)
+    per_rank = [{k: make_tensor(s, "float32", seed + 10 * r + 1) for k, s in shapes_.items()}
+                for r in range(ndp)]
+    grads = {k: distribute_tensor(per_rank[dp][k], m["tp"], [pls[k]], src_data_rank=None)
+             for k in shapes_}
+    got = fs.reduce_grads(grads, like=like)
+    out = {k: got[k].full_tensor() for k in shapes_}
+    want = {k: sum(r[k] for r in per_rank) / ndp for k in shapes_}
+    return out, want, fs.optim.clip.global_norm(got, like)
+
+
+@pytest.mark.parametrize("spec", TP_MESHES)
+def test_reduce_grads_and_the_norm_count_every_element_once(pools, spec):
+    for out, want, norm in pools.run(spec, tp_reduce, 3):
+        for k in want:
+            torch.testing.assert_close(out[k], want[k], atol=1e-6, rtol=0, msg=k)
+        # the norm of the reduced gradients themselves, each element once (per-leaf norms are
+        # float32: a leaf counted twice or missed is off by far more)
+        assert norm == pytest.approx(
+            torch.cat([o.reshape(-1) for o in out.values()]).double().norm().item(), rel=1e-6)
+
+
+# -- misuse, refused by name --------------------------------------------------------------
+
+
+def misuse(spec):
+    m = mesh(spec)
+    model = _transformer(m["tp"])
+    sparams = fs.shard(fs.params(model), m)
+    out = {}
+    step = fs.train_step(lambda p, b: _loss(model, p, *b), fs.optim.adamw(1e-2))
+    out["train_step"] = capture(step.init, sparams)
+    out["rank0_only"] = capture(fs.load_state_dict, fs.state_dict(sparams, "full"), sparams,
+                                rank0_only=True)
+    w = sparams["layers.0.attention.wq.weight"]
+    partial = DTensor.from_local(w.to_local(), m, [Replicate(), Partial()], run_check=False)
+    out["partial"] = capture(fs.unshard, {"p": partial})
+    full = fs.unshard(sparams)
+    plain = dict(full, **{"layers.0.attention.wq.weight": full[
+        "layers.0.attention.wq.weight"].full_tensor()})
+    out["reshard_plain"] = capture(fs.reshard, plain, sparams)
+    out["make_mesh"] = capture(fs.make_mesh, shard=2, tp=3)
+    return out
+
+
+def test_what_funshard_cannot_do_with_tensor_parallel_leaves_is_refused_by_name(pools):
+    out = pools.run("1x2x2", misuse)[0]
+    kind, msg = out["train_step"]
+    assert kind == "ValueError" and "'tp'" in msg and "train_step" in msg, out["train_step"]
+    kind, msg = out["rank0_only"]
+    assert kind == "ValueError" and "'tp'" in msg and "rank0_only" in msg, out["rank0_only"]
+    kind, msg = out["partial"]
+    assert kind == "ValueError" and "Partial" in msg and "'p'" in msg, out["partial"]
+    kind, msg = out["reshard_plain"]
+    assert kind == "TypeError" and "'layers.0.attention.wq.weight'" in msg, out["reshard_plain"]
+    assert "DeviceMesh('tp': 2" in msg, msg
+    kind, msg = out["make_mesh"]
+    assert kind == "ValueError" and "tp=3" in msg, out["make_mesh"]
+
+
+def _plus(d, seed):
+    noise = make_tensor(tuple(d.to_local().shape), "float32", seed)
+    return DTensor.from_local(d.to_local() + noise, d.device_mesh, d.placements, run_check=False,
+                              shape=d.shape, stride=d.stride())
+
+
+def state_dicts(spec, tmp):
+    """Each kind of state dict of a tensor-parallel tree, and a checkpoint, loaded back on
+    the same mesh: the full one is the plain model's own, each comes back shard for shard."""
+    m = mesh(spec)
+    base = fs.shard(fs.params(_transformer(m["tp"])), m)
+    initial = fs.state_dict(base, "full")
+    sparams = {k: _plus(v, 7 + i) for i, (k, v) in enumerate(base.items())}  # as if trained
+    full = fs.state_dict(sparams, "full")
+    problems = []
+    for kind in ("full", "sharded", "local"):
+        back = fs.load_state_dict(fs.state_dict(sparams, kind), like=sparams)
+        problems += [f"{kind} {k}" for k in sparams
+                     if not torch.equal(back[k].to_local(), sparams[k].to_local())]
+    for k, piece in fs.state_dict(sparams, "local").items():
+        box = full[k][tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.tensor.shape))]
+        if not torch.equal(box, piece.tensor):
+            problems.append(f"local {k}: offset {piece.offset} is not where its piece sits")
+    fs.checkpoint.save(f"{tmp}/tp", sparams)
+    back = fs.checkpoint.load(f"{tmp}/tp", like=sparams)
+    problems += [f"checkpoint {k}" for k in sparams
+                 if not torch.equal(back[k].to_local(), sparams[k].to_local())]
+    return problems, initial, full
+
+
+def loaded_elsewhere(spec, tmp, tp):
+    """The checkpoint saved on another layout, loaded here: its full state dict."""
+    m = mesh(spec)
+    model = _transformer(m["tp"]) if tp else _transformer()
+    like = fs.shard(fs.params(model), m)
+    return fs.state_dict(fs.checkpoint.load(f"{tmp}/tp", like=like), "full")
+
+
+def test_state_dicts_and_checkpoints_of_tensor_parallel_leaves(pools, tmp_path):
+    """Saved on data-parallel 2 x tensor-parallel 2, loaded on data-parallel 4 (no tensor
+    parallel) and on tensor-parallel 2 alone; every kind of state dict round-trips, the full
+    one is the plain model's."""
+    got = pools.run("1x2x2", state_dicts, str(tmp_path))
+    for problems, _, _ in got:
+        assert not problems, problems
+    _, initial, full = got[0]
+    plain = dict(_transformer().named_parameters())
+    assert initial.keys() == plain.keys()
+    for k, v in initial.items():
+        assert torch.equal(v, plain[k]), k
+    for spec, tp in ((4, False), ("1x1x2", True), ("2x1x2", True)):
+        for sd in pools.run(spec, loaded_elsewhere, str(tmp_path), tp):
+            assert sd.keys() == full.keys(), spec
+            for k in full:
+                assert torch.equal(sd[k], full[k]), (spec, k)
+
