@@ -3,7 +3,10 @@
 ``load_state_dict(sd, like, rank0_only=True)`` reads the full state dict on rank 0 only.
 For each group, rank 0 packs every shard coordinate's pieces into one byte buffer (each
 leaf a padded, 16-byte aligned segment, as :func:`_segments` lays them out) and scatters
-the buffers; each rank cuts its own leaves out of what it receives.
+the buffers; each rank cuts its own leaves out of what it receives. On a mesh with the
+model's own dimensions (tensor or expert parallel) rank 0 broadcasts each full tensor in
+turn instead (:func:`_broadcast_full`): every rank holds one full tensor at a time and keeps
+its piece, the model's part then its rows.
 """
 
 from __future__ import annotations
@@ -65,3 +68,11 @@ def _scatter_group(keys, likes, full) -> list[torch.Tensor]:
         out.append(recv[off:off + n * lay.dtype.itemsize].view(lay.dtype).view(lay.local_shape)
                    .clone())
     return out
+
+
+def _broadcast_full(full: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Rank 0's full tensor (``full``; None elsewhere), shaped like ``like``, on every rank."""
+    t = (full.detach().to(like.device, copy=True).contiguous() if full is not None
+         else torch.empty(like.shape, dtype=like.dtype, device=like.device))
+    dist.broadcast(t, src=0)
+    return t

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _compat, pytree
-from .mesh import DATA, REPLICATE, SHARD, mesh_str, model_dims, shard_dim, submesh
+from .mesh import DATA, REPLICATE, SHARD, SPLITS, mesh_str, model_dims, shard_dim, submesh
 
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
 
@@ -145,7 +145,7 @@ def gather_bytes(layouts: Sequence[Layout], dtypes: Sequence[torch.dtype]) -> in
 def placements_for(mesh: DeviceMesh, ndim: int, how: str, model: tuple = ()) -> tuple:
     """Placements for a leaf of ``ndim`` dims: ``how`` is ``"shard"`` or ``"replicate"``;
     ``model``: the leaf's placements on the mesh's own dimensions, in their order."""
-    sdim = shard_dim(mesh, model=bool(model))
+    sdim = shard_dim(mesh, model=True)  # the callers checked the mesh for their use
     out = [Replicate()] * (mesh.ndim - len(model)) + list(model)
     if how == SHARD and ndim > 0:
         out[sdim] = _rows(mesh, model)
@@ -221,7 +221,9 @@ def layout_of(path: str, t: DTensor, *, model: bool = False, what: str = "") -> 
     names = mesh.mesh_dim_names
     own = len(model_dims(mesh))
     found = None
-    if own:  # the model's placements, on its own dimensions (the last ones)
+    # the model's placements, on its own dimensions (the last ones); a leaf that is only
+    # replicated on "ep" is a plain tensor to the model
+    if own and spread_of(t) != names[mesh.ndim - own:]:
         found = model_of(submesh(mesh, names[mesh.ndim - own:]), t.placements[mesh.ndim - own:],
                          t.shape, tuple(t.stride()), f"leaf {path!r} ")
     sharded = False
@@ -241,6 +243,14 @@ def layout_of(path: str, t: DTensor, *, model: bool = False, what: str = "") -> 
     shape = model_part(t.shape, found) if found else t.shape
     return Layout(path, shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim),
                   found)
+
+
+def spread_of(t: DTensor) -> tuple[str, ...]:
+    """The model's own dimensions of ``t``'s mesh whose ranks compute on other rows and all
+    hold ``t`` (``"ep"`` where ``t`` is not an expert's): its gradient is averaged over them
+    too."""
+    return tuple(n for n, p in zip(t.device_mesh.mesh_dim_names, t.placements)
+                 if n in SPLITS and isinstance(p, Replicate))
 
 
 def norm_weight(lay: Layout, ranks: int) -> float:

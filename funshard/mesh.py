@@ -2,18 +2,23 @@
 
 A funshard mesh has a ``"shard"`` dimension and, for HSDP, a ``"replicate"`` one before it:
 the data-parallel dimensions, where parameters are ``Shard(0)`` and ``Replicate()``. Any other
-named dimension after them is the model's own (tensor parallel: ``"tp"``): its placements
-are the model's (torch's ``parallelize_module``), and funshard shards each leaf's tensor on
-that dimension over the data-parallel ones, as FSDP2 composes with tensor parallelism.
+named dimension after them is the model's own (expert parallel: ``"ep"``; tensor parallel:
+``"tp"``): its placements are the model's (torch's ``parallelize_module``), and funshard
+shards each leaf's part on those dimensions over the data-parallel ones, as FSDP2 composes
+with tensor and expert parallelism. The ranks of a ``"tp"`` group compute on the same rows
+of the batch; those of an ``"ep"`` group on different rows (the model exchanges tokens
+between them), so a leaf the model keeps whole there has its gradient averaged over it too.
 
     >>> mesh = make_mesh(shard=2)                  # 1-D, 2 ranks
     >>> mesh = make_mesh(shard=2, replicate=2)     # 2-D, 4 ranks
     >>> mesh = make_mesh(shard=2, tp=2)            # ("shard", "tp"), 4 ranks; mesh["tp"]
+    >>> mesh = make_mesh(shard=2, ep=2)            # ("shard", "ep"): experts on mesh["ep"]
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import time
 from datetime import timedelta
@@ -25,7 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 SHARD = "shard"
 REPLICATE = "replicate"
 TP = "tp"
+EP = "ep"
 DATA = (REPLICATE, SHARD)  # the data-parallel dimensions' names
+SPLITS = (EP,)  # the model's own dimensions whose ranks compute on different rows
 
 
 def mesh_str(mesh: DeviceMesh) -> str:
@@ -52,9 +59,15 @@ def shard_dim(mesh: DeviceMesh, *, where: str = "", model: bool = False) -> int:
             f"{where}mesh {mesh_str(mesh)} has the model's own dimension {others[0]!r} (tensor "
             "or expert parallel), which this does not compose with yet. fs.shard, fs.unshard, "
             "fs.reshard, fs.reduce_grads, the optimizers (Muon aside), fs.state_dict / "
-            "fs.load_state_dict (without rank0_only) and fs.checkpoint do; the training and "
-            f"evaluation steps take meshes of {REPLICATE!r} and {SHARD!r} only for now."
+            "fs.load_state_dict and fs.checkpoint do; the training and evaluation steps take "
+            f"meshes of {REPLICATE!r} and {SHARD!r} only for now."
         )
+    splits = [n for n in others if n in SPLITS]
+    if splits and len(others) > len(splits):
+        raise ValueError(
+            f"{where}mesh {mesh_str(mesh)}: expert parallel ({splits[0]!r}) together with "
+            f"another of the model's dimensions ({[n for n in others if n not in SPLITS][0]!r})"
+            " is not supported yet; use one of them with the data-parallel dimensions.")
     late = [n for n in names[:names.index(SHARD)] if n != REPLICATE]
     if late or REPLICATE in names[names.index(SHARD):]:
         bad = late[0] if late else REPLICATE
@@ -72,10 +85,10 @@ def model_dims(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def data_size(mesh: DeviceMesh) -> int:
-    """Ranks over the data-parallel dimensions (``"replicate"`` x ``"shard"``): how many
-    copies of the batch a mean gradient is over."""
+    """How many parts of the batch the ranks compute on, which a mean gradient is over:
+    ``"replicate"`` x ``"shard"`` x ``"ep"``."""
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    return sizes[SHARD] * sizes.get(REPLICATE, 1)
+    return sizes[SHARD] * math.prod(sizes.get(n, 1) for n in (REPLICATE, *SPLITS))
 
 
 def submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -175,12 +188,13 @@ def make_mesh(
     shard: int | None = None,
     replicate: int = 1,
     *,
+    ep: int = 1,
     tp: int = 1,
     device_type: str | None = None,
     timeout: float | None = None,
 ) -> DeviceMesh:
-    """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks, with a
-    ``"tp"`` dimension last when ``tp > 1``.
+    """A ``("shard",)`` or ``("replicate", "shard")`` DeviceMesh over all ranks, with an
+    ``"ep"`` and a ``"tp"`` dimension after them when ``ep > 1`` / ``tp > 1``.
 
     Initialises the default process group from torchrun's environment when needed (NCCL on
     CUDA, gloo on CPU); a single process without that environment gets a world of 1.
@@ -188,6 +202,8 @@ def make_mesh(
     Args:
         shard: ranks per shard group (default: world size // replicate).
         replicate: number of replicas (HSDP); 1 gives a 1-D mesh.
+        ep: ranks per expert-parallel group: ``mesh["ep"]`` is what the model's experts are
+            placed on (each rank owns whole experts; the model exchanges the tokens).
         tp: ranks per tensor-parallel group, the innermost dimension (neighbouring ranks,
             one host's GPUs): ``mesh["tp"]`` is what ``parallelize_module`` takes.
         device_type: "cuda" or "cpu" (default: cuda when available).
@@ -199,28 +215,28 @@ def make_mesh(
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, v in (("shard", shard), ("replicate", replicate), ("tp", tp)):
+    for name, v in (("shard", shard), ("replicate", replicate), ("ep", ep), ("tp", tp)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"make_mesh: {name}={v!r} must be a positive int")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"make_mesh: timeout={timeout!r} must be a positive number of seconds")
     _init_process_group(device_type, timeout)
     world = dist.get_world_size()
-    outer = replicate * tp
+    outer = replicate * ep * tp
     if world % outer:
         raise ValueError(
-            f"make_mesh: replicate={replicate} x tp={tp} = {outer} does not divide the world "
-            f"size {world}; choose them from the divisors of {world}."
+            f"make_mesh: replicate={replicate} x ep={ep} x tp={tp} = {outer} does not divide "
+            f"the world size {world}; choose them from the divisors of {world}."
         )
     if shard is None:
         shard = world // outer
     if shard * outer != world:
         raise ValueError(
-            f"make_mesh: shard={shard} x replicate={replicate} x tp={tp} = {shard * outer} "
-            f"ranks, but the world has {world}; the mesh must cover every rank "
-            f"(e.g. shard={world // outer})."
+            f"make_mesh: shard={shard} x replicate={replicate} x ep={ep} x tp={tp} = "
+            f"{shard * outer} ranks, but the world has {world}; the mesh must cover every "
+            f"rank (e.g. shard={world // outer})."
         )
     dims = [(REPLICATE, replicate)] if replicate > 1 else []
-    dims += [(SHARD, shard)] + ([(TP, tp)] if tp > 1 else [])
+    dims += [(SHARD, shard)] + [(n, v) for n, v in ((EP, ep), (TP, tp)) if v > 1]
     return init_device_mesh(device_type, tuple(n for _, n in dims),
                             mesh_dim_names=tuple(name for name, _ in dims))

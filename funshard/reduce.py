@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, pytree
-from .layout import Layout, as_dtensor, check_float_dtype, describe, from_model, norm_weight
+from .layout import (Layout, as_dtensor, check_float_dtype, describe, from_model, norm_weight,
+                     spread_of)
 from .mesh import mesh_str
 
 
@@ -51,15 +52,18 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
                 f"parameter has global shape {tuple(lay.shape)} on {mesh_str(mesh)}; pass "
                 "full-shape per-rank gradients (not local shards)."
             )
-    present = [k for k, g in enumerate(gl) if g is not None]
     gl = [g.detach() if g is not None else None for g in gl]  # not differentiable
-    got = collectives.reduce_scatter(
-        [layouts[k] for k in present], [gl[k] for k in present], mesh,
-        reduce_dtype=reduce_dtype, op=op, transport=transport,
-    ) if mesh is not None else []
+    kinds: dict[tuple, list[int]] = {}  # by the model's dimensions averaged over too ("ep")
+    for k, g in enumerate(gl):
+        if g is not None:
+            kinds.setdefault(spread_of(likes[k]), []).append(k)
     out = [None] * len(gl)
-    for k, g in zip(present, got):
-        out[k] = as_dtensor(g, likes[k])
+    for spread, present in kinds.items():
+        got = collectives.reduce_scatter(
+            [layouts[k] for k in present], [gl[k] for k in present], mesh,
+            reduce_dtype=reduce_dtype, op=op, transport=transport, spread=spread)
+        for k, g in zip(present, got):
+            out[k] = as_dtensor(g, likes[k])
     return pytree.unflatten(spec, out)
 
 

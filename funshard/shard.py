@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from . import collectives, pytree
 from .layout import (Layout, Model, as_dtensor, as_model, check_float_dtype, compute_dtype,
                      describe, from_model, local_slice, model_of, model_part, placements_for,
-                     transforms_active)
-from .mesh import DATA, REPLICATE, SHARD, mesh_device, mesh_str, model_dims, shard_dim, submesh
+                     spread_of, transforms_active)
+from .mesh import (DATA, REPLICATE, SHARD, SPLITS, mesh_device, mesh_str, model_dims, shard_dim,
+                   submesh)
 
 Spec = Any  # "shard" | "replicate" | prefix tree of those | callable (fqn, tensor) -> str
 
@@ -80,9 +81,10 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     shard_dim(mesh, where="shard: ", model=True)
     own = model_dims(mesh)
     # a mesh with the model's own dimensions: a leaf the model placed there (a DTensor on
-    # them) goes on the whole mesh; a plain one on the data-parallel dimensions alone
+    # them) goes on the whole mesh; a plain one on the data-parallel dimensions and those
+    # whose ranks compute on other rows ("ep", where it is replicated)
     model_mesh = submesh(mesh, own) if own else None
-    data_mesh = submesh(mesh, tuple(n for n in mesh.mesh_dim_names if n in DATA))
+    data_mesh = submesh(mesh, tuple(n for n in mesh.mesh_dim_names if n in DATA + SPLITS))
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
     device = mesh_device(mesh)
@@ -133,7 +135,7 @@ def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,
 
 def _layout(name: str, t: torch.Tensor, mesh: DeviceMesh, placements,
             model: Model | None) -> Layout:
-    sdim = shard_dim(mesh, model=model is not None)
+    sdim = shard_dim(mesh, model=True)  # shard checked the mesh
     sharded = t.ndim > 0 and getattr(placements[sdim], "dim", None) == 0
     shape = model_part(t.shape, model) if model is not None else t.shape
     return Layout(name, shape, t.dtype, sharded, mesh.size(sdim), mesh.get_local_rank(sdim),
@@ -181,9 +183,23 @@ def unshard(
               else [d.to_local() for d in leaves])
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
-    full = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
-                          reduce_dtype=reduce_dtype, transport=transport)
-    return pytree.unflatten(spec, [as_model(f, lay) for f, lay in zip(full, layouts)])
+    full: list = [None] * len(leaves)
+    for spread, idx in _by_spread(leaves).items():  # one gather per kind ("ep": experts apart)
+        got = unshard_leaves([layouts[i] for i in idx], [shards[i] for i in idx], mesh,
+                             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                             transport=transport, spread=spread)
+        for i, f in zip(idx, got):
+            full[i] = as_model(f, layouts[i])
+    return pytree.unflatten(spec, full)
+
+
+def _by_spread(leaves: Sequence[DTensor]) -> dict[tuple, list[int]]:
+    """Leaf indices by the model's dimensions their gradients are averaged over too
+    (:func:`funshard.layout.spread_of`), in order of first appearance."""
+    out: dict[tuple, list[int]] = {}
+    for i, d in enumerate(leaves):
+        out.setdefault(spread_of(d), []).append(i)
+    return out
 
 
 def reshard(full: Any, like: Any) -> Any:
@@ -217,7 +233,8 @@ class _Unshard(torch.autograd.Function):
     """Shards -> full tensors; backward: full grads -> reduced local shard grads."""
 
     @staticmethod
-    def forward(layouts, mesh, dtypes, reduce_dtype, transport, *shards):
+    def forward(layouts, where, dtypes, reduce_dtype, transport, *shards):
+        mesh = where[0]
         gathered = [k for k, lay in enumerate(layouts) if lay.sharded]
         full = list(shards)
         if gathered:
@@ -235,17 +252,17 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         # forward and setup_context apart: the form torch.func transforms accept
-        ctx.layouts, ctx.mesh, _, ctx.reduce_dtype, ctx.transport = inputs[:5]
+        ctx.layouts, ctx.where, _, ctx.reduce_dtype, ctx.transport = inputs[:5]
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def vmap(info, in_dims, layouts, mesh, dtypes, reduce_dtype, transport, *shards):
+    def vmap(info, in_dims, layouts, where, dtypes, reduce_dtype, transport, *shards):
         """Inside torch.func.vmap over other inputs (the shards unbatched): gather once."""
         if any(d is not None for d in in_dims[5:]):
             raise NotImplementedError(
                 "unshard: torch.func.vmap over the shards themselves is not supported; vmap "
                 "a function of the full parameters (fs.unshard outside the vmap).")
-        out = _Unshard.apply(layouts, mesh, dtypes, reduce_dtype, transport, *shards)
+        out = _Unshard.apply(layouts, where, dtypes, reduce_dtype, transport, *shards)
         return out, (None,) * len(out)
 
     @staticmethod
@@ -261,8 +278,8 @@ class _Unshard(torch.autograd.Function):
         res = [None] * len(ctx.layouts)
         if need:
             got = collectives.reduce_scatter(
-                [ctx.layouts[k] for k in need], [grads[k] for k in need], ctx.mesh,
-                reduce_dtype=ctx.reduce_dtype, transport=ctx.transport,
+                [ctx.layouts[k] for k in need], [grads[k] for k in need], ctx.where[0],
+                reduce_dtype=ctx.reduce_dtype, transport=ctx.transport, spread=ctx.where[1],
             )
             for k, g in zip(need, got):
                 res[k] = g
@@ -277,8 +294,10 @@ def unshard_leaves(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     transport: str = "c10d",
+    spread: tuple[str, ...] = (),
 ) -> list[torch.Tensor]:
-    """Differentiable bucketed gather of local shards (autograd sees one node)."""
+    """Differentiable bucketed gather of local shards (autograd sees one node); ``spread``:
+    the model's dimensions the gradients are averaged over too (``"ep"``)."""
     dtypes = [compute_dtype(s.dtype, param_dtype) for s in shards]
-    return list(_Unshard.apply(tuple(layouts), mesh, tuple(dtypes), reduce_dtype, transport,
-                               *shards))
+    return list(_Unshard.apply(tuple(layouts), (mesh, spread), tuple(dtypes), reduce_dtype,
+                               transport, *shards))

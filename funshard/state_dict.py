@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from . import collectives, pytree
 from .layout import as_dtensor, as_model, layout_of, local_slice, model_box, model_slice
 from ._ranks import _broadcast_obj, _rank, _world
-from ._scatter import _scatter_group
-from .mesh import mesh_str
+from ._scatter import _broadcast_full, _scatter_group
+from .mesh import mesh_str, model_dims
 from .step.schedule import default_group
 
 Tree = Any
@@ -225,8 +225,7 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
     keys, likes, spec = _flat(like)
     for k, v in zip(keys, likes):  # placements funshard lays out, or an error
         if isinstance(v, DTensor):
-            layout_of(k, v, what="load_state_dict" + (", rank0_only" if rank0_only else ""),
-                      model=not rank0_only)
+            layout_of(k, v, what="load_state_dict", model=True)
     if isinstance(sd, dict):
         sd = with_later_fields(sd, like, dict(zip(keys, likes)))
     if rank0_only and _world() > 1:
@@ -379,6 +378,11 @@ def _load_rank0(sd, keys, likes, *, strict: bool) -> list[Any]:
     if msg:
         raise ValueError(msg)
     values: list[Any] = [scalars.get(k) for k in keys]
+    if any(isinstance(v, DTensor) and model_dims(v.device_mesh) for v in likes):
+        for i, (k, v) in enumerate(zip(keys, likes)):  # the model's dims: see _broadcast_full
+            if isinstance(v, torch.Tensor):
+                values[i] = _build(k, _broadcast_full(sd[k] if rank == 0 else None, v), v)
+        return values
     for idx in _groups(keys, likes):
         tensors = [i for i in idx if isinstance(likes[i], torch.Tensor)]
         if tensors:

@@ -82,8 +82,8 @@ def _transformer(tp_mesh=None, sequence_parallel=False):
     return model
 
 
-def _batch(step):
-    toks = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(100 + step))
+def _batch(step, vocab=16):
+    toks = torch.randint(0, vocab, (4, 9), generator=torch.Generator().manual_seed(100 + step))
     return toks[:, :-1], toks[:, 1:]
 
 
@@ -115,18 +115,23 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tp_trains(spec, sequence_parallel, optimizer):
-    """3 AdamW steps over fs.unshard -> the model -> backward on this rank's rows of the
-    batch; the losses, the trained parameters and the collectives of the first step."""
-    m = mesh(spec)
-    model = _transformer(m["tp"], sequence_parallel)
-    params = {k: v.detach().requires_grad_() for k, v in fs.shard(fs.params(model), m).items()}
+def _group_ranks(name: str) -> tuple:
+    """A process group's ranks, by its name: a mesh slice's group may be another mesh's
+    over the same ranks, so groups are compared by their ranks."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+
+
+def train(m, model, sparams, optimizer, rows):
+    """3 steps over fs.unshard -> the model -> backward on ``rows`` of each step's batch
+    (AdamW with a clipped norm, or SGD with momentum); the mean loss over every rank, the
+    trained parameters, and the collectives of the first step: funshard's and the model's,
+    each on its group's ranks."""
+    params = {k: v.detach().requires_grad_() for k, v in sparams.items()}
     opt = (fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.adamw(1e-2))
            if optimizer == "adamw" else fs.optim.sgd(0.5, momentum=0.9))
     state = opt.init(params)
-    ndp = fs.mesh.data_size(m)
-    dp = dist.get_rank() // m.size(m.ndim - 1)  # "tp" is the innermost dimension
-    rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
     losses, seen = [], None
     for step in range(3):
         x, y = _batch(step)
@@ -139,21 +144,28 @@ def tp_trains(spec, sequence_parallel, optimizer):
             v.grad = None
         params, state = opt.update(grads, state, params, step=step)
         mean = loss.detach().clone()
-        dist.all_reduce(mean)  # each loss is held by every tp rank of its data-parallel rank
+        dist.all_reduce(mean)  # every rank's loss: a "tp" group's ranks hold the same one
         losses.append(mean.item() / m.size())
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in fs.unshard(params).items()}
-    # each group by its ranks: a slice's group may be another mesh's over the same ranks
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    ranks = lambda name: tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
-    ours = [(op, ranks(g)) for op, g in seen.ours]
-    theirs = [(op, ranks(g)) for op, g in seen.model]
+    ours = [(op, _group_ranks(g)) for op, g in seen.ours]
+    theirs = [(op, _group_ranks(g)) for op, g in seen.model]
+    return losses, fs.state_dict(params, "full"), ours, theirs
+
+
+def tp_trains(spec, sequence_parallel, optimizer):
+    """:func:`train` on this data-parallel rank's rows; the groups by their ranks."""
+    m = mesh(spec)
+    model = _transformer(m["tp"], sequence_parallel)
+    ndp = fs.mesh.data_size(m)
+    dp = dist.get_rank() // m.size(m.ndim - 1)  # "tp" is the innermost dimension
+    rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
+    out = train(m, model, fs.shard(fs.params(model), m), optimizer, rows)
     groups = {n: tuple(dist.get_process_group_ranks(m.get_group(n))) for n in m.mesh_dim_names}
-    return losses, full, ours, theirs, groups
+    return (*out, groups)
 
 
-def one_process(optimizer):
-    model = _transformer()
+def one_process(optimizer, model=None):
+    """:func:`train`'s steps in one process on the whole batch (torch's optimizers)."""
+    model = _transformer() if model is None else model
     params = {k: torch.nn.Parameter(v.detach().clone()) for k, v in fs.params(model).items()}
     opt = (torch.optim.AdamW(params.values(), lr=1e-2, foreach=True) if optimizer == "adamw"
            else torch.optim.SGD(params.values(), lr=0.5, momentum=0.9, foreach=True))
@@ -170,9 +182,10 @@ def one_process(optimizer):
     return losses, {k: v.detach() for k, v in params.items()}
 
 
-@pytest.mark.parametrize("spec", TP_MESHES)
-@pytest.mark.parametrize("sequence_parallel,optimizer", [
-    (False, "adamw"), (True, "adamw"), (True, "sgd")], ids=["tp", "tp+sp", "tp+sp-sgd"])
+@pytest.mark.parametrize("spec,sequence_parallel,optimizer", [
+    (spec, sp, opt) for spec in TP_MESHES
+    for sp, opt in ((False, "adamw"), (True, "adamw"), (True, "sgd"))] + [
+    ("2x2x2", True, "adamw"), ("2x2x2", False, "sgd")])
 def test_tensor_parallel_transformer_trains_as_one_process(pools, spec, sequence_parallel,
                                                            optimizer):
     """torch's own 2-D test Transformer, parallelized by its own plan (with and without
@@ -187,13 +200,125 @@ def test_tensor_parallel_transformer_trains_as_one_process(pools, spec, sequence
         assert losses == pytest.approx(want_losses, abs=1e-5)
         for k, v in want.items():
             torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
-        kinds = [name for name, _ in ours]
-        if "replicate" in groups:  # shard=1: nothing to gather; the mean over the replicas
-            assert ours == [("allreduce_", groups["replicate"])], ours
+        kinds = [(name, g) for name, g in ours]
+        gather = [(n, g) for n, g in kinds if "gather" in n]
+        reduce = [(n, g) for n, g in kinds if "reduce_scatter" in n]
+        mean = [(n, g) for n, g in kinds if n == "allreduce_"]
+        assert len(gather) + len(reduce) + len(mean) == len(kinds), ours
+        if len(groups["shard"]) > 1:  # one all-gather, one reduce-scatter, on "shard"
+            assert len(gather) == len(reduce) == 1, ours
+            assert {g for _, g in gather + reduce} == {groups["shard"]}, ours
+        else:  # nothing to gather
+            assert not gather and not reduce, ours
+        if "replicate" in groups:  # the mean over the replicas
+            assert mean == [("allreduce_", groups["replicate"])], ours
         else:
-            assert len(kinds) == 2 and "gather" in kinds[0] and "reduce_scatter" in kinds[1], ours
-            assert {g for _, g in ours} == {groups["shard"]}, ours
+            assert not mean, ours
         assert theirs and {g for _, g in theirs} == {groups["tp"]}, theirs
+
+
+# -- Hugging Face Llama with a tensor-parallel plan, against FSDP2 + TP --------------------
+
+
+def _llama(tp_mesh=None):
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=36, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    if tp_mesh is not None:  # the plan of Llama's base_model_tp_plan, in torch's own API
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(2):
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                         "mlp.gate_proj", "mlp.up_proj"):
+                plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+        parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def _llama_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def llama_trains(spec, bf16, fsdp2):
+    """3 AdamW steps of Llama on this data-parallel rank's rows: funshard (unshard, or
+    ``fsdp2``: torch's fully_shard per decoder layer and the root on "shard"), with
+    ``bf16``: bfloat16 compute, float32 reduction. Per-rank losses and the trained weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = mesh(spec)
+    model = _llama(m["tp"])
+    ndp = fs.mesh.data_size(m)
+    dp = dist.get_rank() // m.size(m.ndim - 1)
+    rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
+    dt = (torch.bfloat16, torch.float32) if bf16 else (None, None)
+    losses = []
+    if fsdp2:
+        mp = MixedPrecisionPolicy(param_dtype=dt[0], reduce_dtype=dt[1])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=m["shard"], mp_policy=mp)
+        fully_shard(model, mesh=m["shard"], mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        for step in range(3):
+            x, y = _batch(step, 64)
+            loss = _llama_loss(model(x[rows]).logits, y[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
+    params = {k: v.detach().requires_grad_() for k, v in fs.shard(fs.params(model), m).items()}
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(params)
+    for step in range(3):
+        x, y = _batch(step, 64)
+        full = fs.unshard(params, param_dtype=dt[0], reduce_dtype=dt[1])
+        loss = _llama_loss(torch.func.functional_call(model, full, (x[rows],)).logits, y[rows])
+        loss.backward()
+        grads = {k: v.grad for k, v in params.items()}
+        for v in params.values():
+            v.grad = None
+        params, state = opt.update(grads, state, params, step=step)
+        losses.append(loss.item())
+    return losses, fs.state_dict(params, "full")
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
+def test_hugging_face_llama_with_a_tensor_parallel_plan_trains_as_fsdp2_with_it(pools, bf16):
+    """The same losses and weights as FSDP2 + TP on the same mesh and rows (float32, and
+    bfloat16 compute with float32 reduction), and in float32 as one process on the whole
+    batch."""
+    ours = pools.run("1x2x2", llama_trains, bf16, False)
+    theirs = pools.run("1x2x2", llama_trains, bf16, True)
+    for (losses, weights), (want_losses, want) in zip(ours, theirs):
+        assert losses == pytest.approx(want_losses, abs=1e-6)
+        assert weights.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(weights[k], v, atol=1e-6, rtol=0, msg=k)
+    if bf16:
+        return
+    model = _llama()
+    params = {k: torch.nn.Parameter(v.detach().clone()) for k, v in fs.params(model).items()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2, foreach=True)
+    one = []
+    for step in range(3):
+        x, y = _batch(step, 64)
+        loss = _llama_loss(torch.func.functional_call(model, params, (x,)).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        one.append(loss.item())
+    per_rank = [losses for losses, _ in ours]
+    mean = [sum(r[s] for r in per_rank) / len(per_rank) for s in range(3)]
+    assert mean == pytest.approx(one, abs=1e-5)
+    for k, v in params.items():
+        torch.testing.assert_close(ours[0][1][k], v.detach(), atol=1e-5, rtol=0, msg=k)
 
 
 # -- reduce_grads and the norm over every dimension ----------------------------------------
@@ -241,8 +366,6 @@ def misuse(spec):
     out = {}
     step = fs.train_step(lambda p, b: _loss(model, p, *b), fs.optim.adamw(1e-2))
     out["train_step"] = capture(step.init, sparams)
-    out["rank0_only"] = capture(fs.load_state_dict, fs.state_dict(sparams, "full"), sparams,
-                                rank0_only=True)
     w = sparams["layers.0.attention.wq.weight"]
     partial = DTensor.from_local(w.to_local(), m, [Replicate(), Partial()], run_check=False)
     out["partial"] = capture(fs.unshard, {"p": partial})
@@ -258,8 +381,6 @@ def test_what_funshard_cannot_do_with_tensor_parallel_leaves_is_refused_by_name(
     out = pools.run("1x2x2", misuse)[0]
     kind, msg = out["train_step"]
     assert kind == "ValueError" and "'tp'" in msg and "train_step" in msg, out["train_step"]
-    kind, msg = out["rank0_only"]
-    assert kind == "ValueError" and "'tp'" in msg and "rank0_only" in msg, out["rank0_only"]
     kind, msg = out["partial"]
     assert kind == "ValueError" and "Partial" in msg and "'p'" in msg, out["partial"]
     kind, msg = out["reshard_plain"]
@@ -276,8 +397,9 @@ def _plus(d, seed):
 
 
 def state_dicts(spec, tmp):
-    """Each kind of state dict of a tensor-parallel tree, and a checkpoint, loaded back on
-    the same mesh: the full one is the plain model's own, each comes back shard for shard."""
+    """Each kind of state dict of a tensor-parallel tree (a full one read on rank 0 alone
+    too), and a checkpoint, loaded back on the same mesh: the full one is the plain model's
+    own, each comes back shard for shard."""
     m = mesh(spec)
     base = fs.shard(fs.params(_transformer(m["tp"])), m)
     initial = fs.state_dict(base, "full")
@@ -288,6 +410,10 @@ def state_dicts(spec, tmp):
         back = fs.load_state_dict(fs.state_dict(sparams, kind), like=sparams)
         problems += [f"{kind} {k}" for k in sparams
                      if not torch.equal(back[k].to_local(), sparams[k].to_local())]
+    on_rank0 = fs.state_dict(sparams, "full", rank0_only=True) or None  # {} elsewhere
+    back = fs.load_state_dict(on_rank0, like=sparams, rank0_only=True)
+    problems += [f"rank0_only {k}" for k in sparams
+                 if not torch.equal(back[k].to_local(), sparams[k].to_local())]
     for k, piece in fs.state_dict(sparams, "local").items():
         box = full[k][tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.tensor.shape))]
         if not torch.equal(box, piece.tensor):

@@ -33,6 +33,7 @@ def reduce_scatter(
     copy: bool = True,
     async_op: bool = False,
     transport: str = "c10d",
+    spread: tuple[str, ...] = (),
 ) -> list[torch.Tensor | None] | Reducing:
     """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
 
@@ -54,6 +55,8 @@ def reduce_scatter(
             ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
         transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"`` (see
             :mod:`funshard.collectives.base`).
+        spread: the model's own mesh dimensions whose ranks computed on other rows (``"ep"``)
+            and hold the same leaves: the results are all-reduced over them too.
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
@@ -61,7 +64,7 @@ def reduce_scatter(
               for lay, g in zip(layouts, grads)]
     device = next((g.device for g in grads if g is not None), None)
     bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy, transport=transport,
-                        device=device)
+                        device=device, spread=spread)
     for k, g in enumerate(grads):
         if g is not None:
             bucket.put(k, g)
@@ -102,10 +105,11 @@ class GradBucket:
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
                  dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
                  borrow: bool = False, transport: str = "c10d",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, spread: tuple[str, ...] = ()):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
+        self.spread = spread
         self.device = device if device is not None else mesh_device(mesh)
         self.world = data_size(mesh)  # the model's own dimensions hold other parts
         self.divide = self.world if op == "mean" else 1
@@ -150,10 +154,13 @@ class GradBucket:
                    else g.to(lay.dtype) for lay, g in zip(self.layouts, self.direct)]
             return Reducing([], out, self.layouts)
         shard_pg, rep_pg = process_groups(self.mesh)
+        reps = [(n, pg) for n, pg in ((REPLICATE, rep_pg),
+                                      *((n, self.mesh.get_group(n)) for n in self.spread))
+                if pg is not None and not skips(dist.get_world_size(pg))]
         parts = []
         for part in self.parts.values():
             idx = [k for k, (p, _) in enumerate(self.where) if p is part]
-            parts.append((idx, part.launch(shard_pg, rep_pg, self.divide, self.transport)))
+            parts.append((idx, part.launch(shard_pg, reps, self.divide, self.transport)))
         self.parts = {}
         return Reducing(parts, None, self.layouts)
 
@@ -215,13 +222,13 @@ class _Part:
         if dst.numel():
             _put_rows(dst, grad, lay, first)
 
-    def launch(self, shard_pg, rep_pg, divide, transport) -> _ReduceOne:
+    def launch(self, shard_pg, reps, divide, transport) -> _ReduceOne:
         for j, lay in enumerate(self.layouts):
             if lay.sharded and self.kept is not None:
                 continue  # a leaf never put sends zeros
             if not self.filled[j] and (self.seg if lay.sharded else self.flat_numel):
                 self._region(j).zero_()  # never put: zeros (every rank takes part)
-        return _ReduceOne(self, shard_pg, rep_pg, divide, transport)
+        return _ReduceOne(self, shard_pg, reps, divide, transport)
 
 
 def _put_rows(dst: torch.Tensor, grad: torch.Tensor, lay: Layout, first: bool) -> None:
@@ -270,9 +277,9 @@ class Reducing:
 class _ReduceOne:
     """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
 
-    def __init__(self, part: _Part, shard_pg, rep_pg, divide, transport):
+    def __init__(self, part: _Part, shard_pg, reps, divide, transport):
         layouts, offsets, inp, flat = part.layouts, part.offsets, part.inp, part.flat
-        self.layouts, self.rep_pg, self.rdt, self.device = layouts, rep_pg, part.rdt, part.device
+        self.layouts, self.reps, self.rdt, self.device = layouts, reps, part.rdt, part.device
         self.divide = divide
         self.works, self.pieces = [], []
         self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
@@ -320,21 +327,24 @@ class _ReduceOne:
             with watch(kind, None, SHARD, since=since):
                 work.wait()
         self.works = None
-        pieces, rep_pg = self.pieces, self.rep_pg
+        pieces = self.pieces
         self.both = None
-        if rep_pg is not None and pieces and not skips(dist.get_world_size(rep_pg)):
+        if self.reps and pieces:
             # one all-reduce for both kinds: a concatenation, copied back when done
             self.both = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            with watch("all-reduce", None, REPLICATE):
-                self.rep_work = dist.all_reduce(self.both, group=rep_pg, async_op=True)
+            with watch("all-reduce", None, self.reps[0][0]):
+                self.rep_work = dist.all_reduce(self.both, group=self.reps[0][1], async_op=True)
                 self.rep_since = time.monotonic()
 
     def wait(self) -> list[torch.Tensor]:
         self.finish_reduce_scatter()
         pieces = self.pieces
         if self.both is not None:
-            with watch("all-reduce", None, REPLICATE, since=self.rep_since):
+            with watch("all-reduce", None, self.reps[0][0], since=self.rep_since):
                 self.rep_work.wait()
+            for name, pg in self.reps[1:]:  # "ep": the ranks that computed on other rows
+                with watch("all-reduce", None, name):
+                    dist.all_reduce(self.both, group=pg)
             if len(pieces) > 1:
                 torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
             self.both = self.rep_work = None
