@@ -240,3 +240,31 @@ def make_mesh(
     dims += [(SHARD, shard)] + [(n, v) for n, v in ((EP, ep), (TP, tp)) if v > 1]
     return init_device_mesh(device_type, tuple(n for _, n in dims),
                             mesh_dim_names=tuple(name for name, _ in dims))
+
+
+def data_parallel(mesh: DeviceMesh, *, shard: str, replicate: str | None = None) -> DeviceMesh:
+    """A mesh the caller built, its data-parallel dimensions named as funshard names them.
+
+    ``shard`` (and ``replicate``) name the dimensions to shard (and replicate) parameters
+    over; every other dimension is the model's own and keeps its name (``"tp"``, ``"ep"``),
+    so ``data_parallel(mesh, ...)["tp"] == mesh["tp"]``: a model parallelized on the
+    caller's mesh composes with it. The same ranks in the same layout, with process groups
+    of its own (made once here).
+
+    Example: ``mesh = init_device_mesh("cuda", (8, 4), mesh_dim_names=("dp", "tp"))``;
+    ``fs.shard(fs.params(model), fs.mesh.data_parallel(mesh, shard="dp"))``.
+    """
+    names = list(mesh.mesh_dim_names or ())
+    for role, name in ((SHARD, shard), (REPLICATE, replicate)):
+        if name is not None and name not in names:
+            raise ValueError(f"data_parallel: {role}={name!r} is not a dimension of "
+                             f"{mesh_str(mesh)}")
+        if name is not None and name != role and role in names:
+            raise ValueError(f"data_parallel: {mesh_str(mesh)} already has a dimension "
+                             f"{role!r}; name another one {role!r} only if it has none")
+    renamed = tuple({shard: SHARD, replicate: REPLICATE}.get(n, n) for n in names)
+    if renamed == tuple(names):
+        return mesh
+    out = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=renamed)
+    shard_dim(out, where="data_parallel: ", model=True)  # the order funshard takes
+    return out

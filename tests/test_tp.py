@@ -217,6 +217,35 @@ def test_tensor_parallel_transformer_trains_as_one_process(pools, spec, sequence
         assert theirs and {g for _, g in theirs} == {groups["tp"]}, theirs
 
 
+_USER_MESH: list = []  # per worker: the caller's mesh and funshard's naming of it
+
+
+def users_mesh_trains(spec):
+    """A mesh the caller built with dimensions of its own names, the model parallelized on
+    its "tp": fs.mesh.data_parallel names "dp" as funshard's "shard"; :func:`train`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _USER_MESH:
+        users = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _USER_MESH[:] = [users, fs.mesh.data_parallel(users, shard="dp")]
+    users, m = _USER_MESH
+    model = _transformer(users["tp"], True)
+    dp = users.get_local_rank("dp")
+    out = train(m, model, fs.shard(fs.params(model), m), "adamw", slice(dp * 2, dp * 2 + 2))
+    return (*out[:2], m.mesh_dim_names, m["tp"] == users["tp"],
+            capture(fs.mesh.data_parallel, users, shard="ep"))
+
+
+def test_a_mesh_the_caller_built_is_named_for_funshard(pools):
+    want_losses, want = one_process("adamw")
+    for losses, full, names, same_tp, (kind, msg) in pools.run(4, users_mesh_trains):
+        assert names == ("shard", "tp") and same_tp
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        assert kind == "ValueError" and "'ep'" in msg and "'dp': 2" in msg, msg
+
+
 # -- Hugging Face Llama with a tensor-parallel plan, against FSDP2 + TP --------------------
 
 
