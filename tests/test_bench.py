@@ -311,6 +311,21 @@ def test_host_floor_references_agree_and_time():
     assert rows == ["floor", "hooks", "stand_ins", "funshard"], proc.stdout
 
 
+def test_model_parallel_benchmark_trains_both_alike():
+    """benchmarks.model_parallel: funshard's loop on a tensor-parallel mesh and FSDP2 + TP
+    reach the same weights, and it prints both rows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.model_parallel", "--rounds", "1", "--steps", "1",
+         "--layers", "1", "--dim", "64", "--seq", "8"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff = float(proc.stdout.split("max weight difference ")[1].split()[0])
+    assert diff < 1e-5, proc.stdout
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| mode")]
+    assert rows == ["funshard", "fsdp2"], proc.stdout
+
+
 def test_default_modes_compare_on_the_same_transport():
     """By default every mode runs on the backend's collectives; on CPU ranks funshard on the
     cross-memory transport comes last, as an extra row; never on GPUs."""

@@ -454,6 +454,24 @@ def state_dicts(spec, tmp):
     return problems, initial, full
 
 
+def meta_loaded(spec):
+    """The model built on ``meta`` and parallelized there, sharded (only this rank's part is
+    made), then the plain model's own state dict loaded into it: as if sharded from real
+    weights."""
+    m = mesh(spec)
+    with torch.device("meta"):
+        like = fs.shard(fs.params(_transformer(m["tp"], True)), m)
+    got = fs.load_state_dict(_transformer().state_dict(), like, strict=False)
+    real = fs.shard(fs.params(_transformer(m["tp"], True)), m)
+    return [k for k in real if not (torch.equal(got[k].to_local(), real[k].to_local())
+                                    and got[k].placements == real[k].placements)]
+
+
+def test_a_model_built_on_meta_loads_the_plain_models_weights(pools):
+    for wrong in pools.run("1x2x2", meta_loaded):
+        assert not wrong, wrong
+
+
 def loaded_elsewhere(spec, tmp, tp):
     """The checkpoint saved on another layout, loaded here: its full state dict."""
     m = mesh(spec)
