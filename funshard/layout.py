@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _compat, pytree
-from .mesh import DATA, REPLICATE, SHARD, SPLITS, mesh_str, model_dims, shard_dim, submesh
+from .mesh import REPLICATE, SHARD, SPLITS, mesh_str, model_dims, shard_dim, submesh
 
 ALIGN = 16  # bytes; every rank's segment of a flat byte buffer is a multiple of this
 
@@ -221,11 +221,14 @@ def layout_of(path: str, t: DTensor, *, model: bool = False, what: str = "") -> 
     names = mesh.mesh_dim_names
     own = len(model_dims(mesh))
     found = None
-    # the model's placements, on its own dimensions (the last ones); a leaf that is only
-    # replicated on "ep" is a plain tensor to the model
-    if own and spread_of(t) != names[mesh.ndim - own:]:
-        found = model_of(submesh(mesh, names[mesh.ndim - own:]), t.placements[mesh.ndim - own:],
-                         t.shape, tuple(t.stride()), f"leaf {path!r} ")
+    # the model's placements, on its own dimensions (the last ones) but "ep" where the leaf
+    # is replicated there: a leaf only replicated on "ep" is a plain tensor to the model
+    spread = spread_of(t)
+    kept = [i for i in range(mesh.ndim - own, mesh.ndim) if names[i] not in spread]
+    if kept:
+        found = model_of(submesh(mesh, tuple(names[i] for i in kept)),
+                         [t.placements[i] for i in kept], t.shape, tuple(t.stride()),
+                         f"leaf {path!r} ")
     sharded = False
     for i, p in enumerate(t.placements[:mesh.ndim - own]):
         rows = _rows(mesh, found.placements if found else ()) if t.ndim > 0 else None
@@ -326,8 +329,8 @@ def describe(tree, *, what: str, model: bool = False):
 
     Every leaf must be a DTensor on one mesh with funshard placements. ``model``: the caller
     composes with the model's own mesh dimensions: the leaves are on a mesh with them, or on
-    its data-parallel dimensions (a leaf the model keeps as a plain tensor); the mesh
-    returned is the former.
+    its slice over the data-parallel ones and some of the model's (a leaf the model keeps
+    plain, or places on fewer of them); the mesh returned is the widest.
     """
     paths, leaves, spec = pytree.flatten_with_path(tree)
     mesh = None
@@ -366,11 +369,11 @@ def describe(tree, *, what: str, model: bool = False):
 
 
 def _wider(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh | None:
-    """Of two meshes, the one with the model's own dimensions, if the other is its
-    data-parallel part; else None."""
+    """Of two meshes, the one with more dimensions, if the other is its slice over some of
+    them (a leaf placed on fewer of the model's dimensions); else None."""
     for wide, narrow in ((a, b), (b, a)):
-        if model_dims(wide) and not model_dims(narrow):
-            data = tuple(n for n in wide.mesh_dim_names if n in DATA)
-            if submesh(wide, data) == narrow:
+        dims = tuple(narrow.mesh_dim_names or ())
+        if wide.ndim > narrow.ndim and set(dims) <= set(wide.mesh_dim_names or ()):
+            if submesh(wide, tuple(n for n in wide.mesh_dim_names if n in dims)) == narrow:
                 return wide
     return None

@@ -62,19 +62,15 @@ def shard_dim(mesh: DeviceMesh, *, where: str = "", model: bool = False) -> int:
             "fs.load_state_dict and fs.checkpoint do; the training and evaluation steps take "
             f"meshes of {REPLICATE!r} and {SHARD!r} only for now."
         )
-    splits = [n for n in others if n in SPLITS]
-    if splits and len(others) > len(splits):
-        raise ValueError(
-            f"{where}mesh {mesh_str(mesh)}: expert parallel ({splits[0]!r}) together with "
-            f"another of the model's dimensions ({[n for n in others if n not in SPLITS][0]!r})"
-            " is not supported yet; use one of them with the data-parallel dimensions.")
     late = [n for n in names[:names.index(SHARD)] if n != REPLICATE]
+    late += [n for i, n in enumerate(others) if n in SPLITS and
+             any(m not in SPLITS for m in others[:i])]
     if late or REPLICATE in names[names.index(SHARD):]:
         bad = late[0] if late else REPLICATE
         raise ValueError(
-            f"{where}mesh {mesh_str(mesh)}: its dimension {bad!r} is on the wrong side of "
-            f"{SHARD!r}; the dimensions come as {REPLICATE!r}, {SHARD!r}, then the model's own "
-            "(tensor parallel), as fs.make_mesh(replicate=..., shard=..., tp=...) builds them."
+            f"{where}mesh {mesh_str(mesh)}: its dimension {bad!r} is out of order; the "
+            f"dimensions come as {REPLICATE!r}, {SHARD!r}, then the model's own, {EP!r} before "
+            f"{TP!r}, as fs.make_mesh(replicate=..., shard=..., ep=..., tp=...) builds them."
         )
     return names.index(SHARD)
 

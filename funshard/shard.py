@@ -80,26 +80,28 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
         raise TypeError(f"shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     shard_dim(mesh, where="shard: ", model=True)
     own = model_dims(mesh)
-    # a mesh with the model's own dimensions: a leaf the model placed there (a DTensor on
-    # them) goes on the whole mesh; a plain one on the data-parallel dimensions and those
-    # whose ranks compute on other rows ("ep", where it is replicated)
-    model_mesh = submesh(mesh, own) if own else None
-    data_mesh = submesh(mesh, tuple(n for n in mesh.mesh_dim_names if n in DATA + SPLITS))
+    names = mesh.mesh_dim_names
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
     device = mesh_device(mesh)
     out = []
     for p, leaf, how in zip(paths, leaves, hows):
         name = pytree.fqn(p)
-        t = _check_leaf(name, leaf, "shard", model_mesh)
+        # a mesh with the model's own dimensions: a leaf the model placed on some of them
+        # (a DTensor there: mesh["tp"], mesh["ep"], mesh["ep", "tp"]) goes on those and the
+        # data-parallel ones; a plain one on the data-parallel ones and "ep", where it is
+        # replicated (those ranks compute on other rows)
+        mine = _dims_of(leaf, own)
+        t = _check_leaf(name, leaf, "shard", submesh(mesh, mine) if own else None)
         if how not in (SHARD, REPLICATE):
             raise ValueError(
                 f"shard: spec for leaf {name!r} (shape {tuple(t.shape)}) is {how!r}; use "
                 f"{SHARD!r} or {REPLICATE!r}."
             )
-        model = (model_of(model_mesh, t.placements, t.shape, tuple(t.stride()),
+        model = (model_of(t.device_mesh, t.placements, t.shape, tuple(t.stride()),
                           f"shard: leaf {name!r} ") if isinstance(t, DTensor) else None)
-        on = mesh if model is not None else data_mesh
+        keep = DATA + SPLITS + (mine if model is not None else ())
+        on = submesh(mesh, tuple(n for n in names if n in keep))
         placements = placements_for(on, t.ndim, how, model.placements if model else ())
         lay = _layout(name, t, on, placements, model)
         if t.is_meta:  # only this rank's rows; NaN until loaded, so a forgotten load fails
@@ -116,6 +118,13 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
         )
         out.append(d.requires_grad_(t.requires_grad) if t.requires_grad else d)
     return pytree.unflatten(tspec, out)
+
+
+def _dims_of(leaf: Any, own: tuple[str, ...]) -> tuple[str, ...]:
+    """The model's dimensions a DTensor leaf is placed on, if they are some of ``own`` (the
+    mesh's), in the mesh's order; else all of ``own``."""
+    dims = tuple(getattr(leaf, "device_mesh", None) and leaf.device_mesh.mesh_dim_names or ())
+    return tuple(n for n in own if n in dims) if dims and set(dims) <= set(own) else own
 
 
 def _global_stride(shape: torch.Size, local: torch.Tensor, mesh: DeviceMesh,

@@ -16,14 +16,18 @@ EP_MESHES = ["1x2x2ep", "2x1x2ep"]  # replicate x shard x ep, 4 ranks
 EXPERTS = ("expert_layer.experts.w1", "expert_layer.experts.w2")
 
 
-def _moe(ep_mesh=None):
+def _moe(ep_mesh=None, tp_mesh=None):
+    """torch's ExpertParallel (tokens all-gathered, outputs reduce-scattered) on ``ep_mesh``;
+    with ``tp_mesh`` its tensor-parallel plan and experts split on both (w1 Shard(1), w2
+    Shard(2) on "tp")."""
     from torch.testing._internal.distributed._tensor.common_dtensor import (ModelArgs,
                                                                             Transformer)
     torch.manual_seed(0)
     model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4,
                                   dropout_p=0.0, num_experts=4))
-    if ep_mesh is not None:  # torch's ExpertParallel: tokens all-gathered, outputs scattered
-        model = Transformer.parallelize(model, None, False, ep_mesh=ep_mesh)
+    if ep_mesh is not None:
+        model = Transformer.parallelize(model, tp_mesh, False, local_output_for_attn=True,
+                                        ep_mesh=ep_mesh)
     return model
 
 
@@ -73,6 +77,36 @@ def test_expert_parallel_moe_trains_as_one_process(pools, spec, optimizer):
         want_means = ([groups["replicate"]] * 2 if "replicate" in groups else []) + [
             groups["ep"]]  # "replicate" for both kinds, "ep" for the rest alone
         assert sorted(means) == sorted(want_means), ours
+
+
+def ep_tp_trains(spec, optimizer):
+    """:func:`train` with experts on "ep" x "tp" and the rest tensor parallel: the ranks of a
+    "tp" group share rows, those of "ep" do not."""
+    m = mesh(spec)
+    model = _moe(m["ep"], m["tp"])
+    tp = m.size(m.ndim - 1)
+    n, r = dist.get_world_size() // tp, dist.get_rank() // tp
+    sparams = fs.shard(fs.params(model), m)
+    placed = {k: v.device_mesh.mesh_dim_names for k, v in sparams.items()}
+    losses, full, _, _ = train(m, model, sparams, optimizer, slice(r * 4 // n, (r + 1) * 4 // n))
+    return losses, full, placed
+
+
+@pytest.mark.parametrize("spec", ["1x1x2x2", "1x2x2x2"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_expert_and_tensor_parallel_on_one_mesh_train_as_one_process(pools, spec, optimizer):
+    """Experts on "ep" x "tp" (torch's ExpertParallelWithTP), attention tensor parallel, the
+    norms plain: each leaf on the data-parallel dimensions and the model's it is placed on
+    ("ep" too, replicated, for all but the experts); 3 steps as one process, on 4 and on 8
+    ranks (shard 2 x ep 2 x tp 2)."""
+    want_losses, want = one_process(optimizer, _moe())
+    for losses, full, placed in pools.run(spec, ep_tp_trains, optimizer):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        assert placed["layers.0.expert_layer.experts.w1"] == ("shard", "ep", "tp")
+        assert placed["layers.0.attention.wq.weight"] == ("shard", "ep", "tp")
+        assert placed["layers.0.ffn_norm.weight"] == ("shard", "ep")
 
 
 def ep_reduce(spec, seed):
@@ -145,12 +179,13 @@ def ep_misuse(spec):
     m = mesh(spec)
     sparams = fs.shard(fs.params(_moe(m["ep"])), m)
     step = fs.train_step(lambda p, b: _loss(_moe(), p, *b), fs.optim.adamw(1e-2))
-    both = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("shard", "ep", "tp"))
+    backwards = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("shard", "tp", "ep"))
     return (capture(step.init, sparams),
-            capture(fs.shard, {"w": torch.ones(4)}, both))
+            capture(fs.shard, {"w": torch.ones(4)}, backwards))
 
 
 def test_what_expert_parallel_cannot_do_yet_is_refused_by_name(pools):
     for (kind, msg), (kind2, msg2) in pools.run("1x2x2ep", ep_misuse):
         assert kind == "ValueError" and "'ep'" in msg and "train_step" in msg, msg
         assert kind2 == "ValueError" and "'ep'" in msg2 and "'tp'" in msg2, msg2
+        assert "out of order" in msg2, msg2

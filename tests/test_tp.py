@@ -2,6 +2,9 @@
 optimizers over leaves a tensor-parallel model (torch's ``parallelize_module``) places on the
 mesh's ``"tp"`` dimension, on 4 gloo ranks, against one process and DTensor's own reading."""
 
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,11 +24,12 @@ TP_MESHES = ["1x2x2", "2x1x2"]  # replicate x shard x tp, 4 ranks
 # -- the laws: DTensor reads funshard's placements as funshard lays the leaves out ---------
 
 
-def placed_roundtrip(spec, cases, seed):
+def placed_roundtrip(spec, cases, seed, tmp):
     """For each (shape, model placement): the model's DTensor on mesh["tp"] -> fs.shard ->
-    what DTensor's own full_tensor reads, unshard, reshard."""
+    what DTensor's own full_tensor reads, unshard, reshard, the state dicts; all of them
+    saved in a checkpoint at ``tmp``."""
     m = mesh(spec)
-    problems = []
+    problems, saved = [], {}
     for i, (shape, kind) in enumerate(cases):
         x = make_tensor(shape, "float32", seed + i)
         pl = Replicate() if kind is None else Shard(kind)
@@ -47,7 +51,25 @@ def placed_roundtrip(spec, cases, seed):
         back = fs.reshard({"w": full}, like={"w": s})["w"]
         if not (torch.equal(back.to_local(), s.to_local()) and back.placements == s.placements):
             problems.append(f"{name}: reshard(unshard(s)) != s")
+        if not torch.equal(fs.state_dict({"w": s}, "full")["w"], x):
+            problems.append(f"{name}: the full state dict is not the global tensor")
+        piece = fs.state_dict({"w": s}, "local")["w"]
+        box = x[tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.tensor.shape))]
+        if not torch.equal(box, piece.tensor):
+            problems.append(f"{name}: the local piece is not at its offset {piece.offset}")
+        saved[f"w{i}"] = s
+    fs.checkpoint.save(tmp, saved)
     return problems
+
+
+def plain_loaded(spec, cases, seed, tmp):
+    """The checkpoint of :func:`placed_roundtrip` loaded on a mesh without "tp": each leaf
+    as the global tensor it was made from."""
+    like = fs.shard({f"w{i}": make_tensor(shape, "float32", 0) for i, (shape, _) in
+                     enumerate(cases)}, mesh(spec))
+    got = fs.state_dict(fs.checkpoint.load(tmp, like=like), "full")
+    return [f"w{i} {shape}" for i, (shape, _) in enumerate(cases)
+            if not torch.equal(got[f"w{i}"], make_tensor(shape, "float32", seed + i))]
 
 
 CASES = st.lists(
@@ -61,9 +83,17 @@ CASES = st.lists(
 def test_shard_places_the_model_part_as_dtensor_reads_it(pools, cases, seed, spec):
     """Uneven shapes included: the tensor-parallel split first, then funshard's rows of each
     part, which DTensor's own ``full_tensor`` reads back as the global tensor (the placement
-    on "shard" is the model's split first when both split dim 0)."""
-    for problems in pools.run(spec, placed_roundtrip, cases, seed):
-        assert not problems, problems
+    on "shard" is the model's split first when both split dim 0); the state dicts hold the
+    global tensor and each piece where it sits; a checkpoint loads on 4 ranks without
+    "tp"."""
+    tmp = tempfile.mkdtemp(prefix="funshard-tp-")
+    try:
+        for problems in pools.run(spec, placed_roundtrip, cases, seed, f"{tmp}/ckpt"):
+            assert not problems, problems
+        for wrong in pools.run(4, plain_loaded, cases, seed, f"{tmp}/ckpt"):
+            assert not wrong, wrong
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- training as one process ----------------------------------------------------------------

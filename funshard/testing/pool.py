@@ -55,12 +55,12 @@ class RankError(RuntimeError):
 
 def world_of(spec) -> int:
     """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4, ``"1x2x2"`` -> 4,
-    ``"1x2x2ep"`` -> 4.
+    ``"1x2x2ep"`` -> 4, ``"1x1x2x2"`` -> 4.
 
     Raises:
         TypeError: ``spec`` is neither an int nor a string.
-        ValueError: ``spec`` is not an int >= 1 nor a ``"RxS"``, ``"RxSxT"`` or ``"RxSxEep"``
-            string.
+        ValueError: ``spec`` is not an int >= 1 nor a ``"RxS"``, ``"RxSxT"``, ``"RxSxEep"``
+            or ``"RxSxExT"`` string.
     """
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1:
@@ -70,11 +70,11 @@ def world_of(spec) -> int:
         raise TypeError(f"mesh spec {spec!r}: use an int (1-D, e.g. 4) or 'RxS' (2-D, e.g. "
                         "'2x2': replicate x shard)")
     parts = spec.removesuffix("ep").split("x")
-    if len(parts) not in (2, 3) or not all(x.isdigit() and int(x) >= 1 for x in parts):
+    if len(parts) not in (2, 3, 4) or not all(x.isdigit() and int(x) >= 1 for x in parts):
         raise ValueError(f"mesh spec {spec!r}: a 2-D spec is 'RxS' with R, S >= 1 (replicate "
                          "x shard), e.g. '2x2'; 'RxSxT' adds a tensor-parallel dimension of T "
                          "(replicate x shard x tp), e.g. '1x2x2'; 'RxSxEep' an expert-parallel "
-                         "one, e.g. '1x2x2ep'")
+                         "one, e.g. '1x2x2ep'; 'RxSxExT' both, e.g. '1x1x2x2'")
     return math.prod(int(x) for x in parts)
 
 
@@ -102,7 +102,8 @@ _MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process group
 
 def mesh(spec=None):
     """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; ``"RxS"`` -> 2-D;
-    ``"RxSxT"``: ``make_mesh(replicate=R, shard=S, tp=T)``; ``"RxSxEep"``: ``ep=E``."""
+    ``"RxSxT"``: ``make_mesh(replicate=R, shard=S, tp=T)``; ``"RxSxEep"``: ``ep=E``;
+    ``"RxSxExT"``: both."""
     from .. import make_mesh
 
     spec = dist.get_world_size() if spec is None else spec
@@ -111,10 +112,10 @@ def mesh(spec=None):
         if isinstance(spec, int):
             _MESHES[spec] = make_mesh(shard=spec, **kw)
         else:
-            rep, sh, *third = (int(x) for x in spec.removesuffix("ep").split("x"))
-            kind = "ep" if spec.endswith("ep") else "tp"
-            _MESHES[spec] = make_mesh(shard=sh, replicate=rep, **{kind: third[0] if third else 1},
-                                      **kw)
+            rep, sh, *more = (int(x) for x in spec.removesuffix("ep").split("x"))
+            dims = dict(zip(("ep", "tp") if len(more) == 2 or spec.endswith("ep") else ("tp",),
+                            more))
+            _MESHES[spec] = make_mesh(shard=sh, replicate=rep, **dims, **kw)
     return _MESHES[spec]
 
 
