@@ -12,6 +12,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -67,6 +68,8 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     ``mesh["tp"]``, from torch's ``parallelize_module``) keeps that placement, and its part
     on this rank is sharded over ``"shard"`` (where both split dim 0, the model's split
     first, as FSDP2 does); a plain leaf is sharded over the data-parallel dimensions alone.
+    There, and only there, every rank must call it: the ranks compare each leaf's shape and
+    placements (one exchange) and refuse a tree placed otherwise on some rank, by name.
 
     Args:
         tree: pytree of full tensors (e.g. ``fs.params(model)``).
@@ -83,6 +86,8 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
     names = mesh.mesh_dim_names
     paths, leaves, tspec = pytree.flatten_with_path(tree)
     hows = pytree.broadcast_prefix(spec, tree, name="shard spec")
+    if own:
+        _check_agree(paths, leaves, mesh)
     device = mesh_device(mesh)
     out = []
     for p, leaf, how in zip(paths, leaves, hows):
@@ -118,6 +123,29 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
         )
         out.append(d.requires_grad_(t.requires_grad) if t.requires_grad else d)
     return pytree.unflatten(tspec, out)
+
+
+def _check_agree(paths, leaves, mesh: DeviceMesh) -> None:
+    """On a mesh with the model's own dimensions, every rank must give each leaf the same
+    global shape and placements (a rank that placed a leaf otherwise, or kept it plain,
+    would shard another tensor than the others gather): one exchange of the leaves'
+    descriptions, ValueError on every rank naming the first that differs."""
+    mine = [(pytree.fqn(p), tuple(getattr(t, "shape", ())),
+             (tuple(t.device_mesh.mesh_dim_names), tuple(map(repr, t.placements)))
+             if isinstance(t, DTensor) else "plain") for p, t in zip(paths, leaves)]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        for a, b in zip(mine, theirs):
+            if a != b:
+                raise ValueError(
+                    f"shard: leaf {a[0]!r} differs between this rank ({dist.get_rank()}: "
+                    f"shape {a[1]}, {a[2]}) and rank {r} (leaf {b[0]!r}: shape {b[1]}, {b[2]}) "
+                    f"on {mesh_str(mesh)}; every rank must pass the same tree, each leaf "
+                    "placed alike (parallelize the model the same way on every rank).")
+        if len(mine) != len(theirs):
+            raise ValueError(f"shard: this rank passes {len(mine)} leaves, rank {r} "
+                             f"{len(theirs)}, on {mesh_str(mesh)}; pass the same tree.")
 
 
 def _dims_of(leaf: Any, own: tuple[str, ...]) -> tuple[str, ...]:

@@ -433,6 +433,11 @@ def misuse(spec):
         "layers.0.attention.wq.weight"].full_tensor()})
     out["reshard_plain"] = capture(fs.reshard, plain, sparams)
     out["make_mesh"] = capture(fs.make_mesh, shard=2, tp=3)
+    # rank 1 alone keeps one leaf plain (its model parallelized otherwise)
+    odd = dict(fs.params(model))
+    if dist.get_rank() == 1:
+        odd["layers.0.attention.wq.weight"] = torch.zeros(odd["layers.0.attention.wq.weight"].shape)
+    out["differs"] = capture(fs.shard, odd, m)
     return out
 
 
@@ -447,6 +452,9 @@ def test_what_funshard_cannot_do_with_tensor_parallel_leaves_is_refused_by_name(
     assert "DeviceMesh('tp': 2" in msg, msg
     kind, msg = out["make_mesh"]
     assert kind == "ValueError" and "tp=3" in msg, out["make_mesh"]
+    kind, msg = out["differs"]
+    assert kind == "ValueError" and "'layers.0.attention.wq.weight'" in msg, out["differs"]
+    assert "rank 1" in msg and "plain" in msg and "Shard(dim=0)" in msg, msg
 
 
 def _plus(d, seed):
