@@ -6,6 +6,9 @@ read them from here.
 
     >>> lay = Layout("w", torch.Size([7, 3]), torch.float32, True, world=3, rank=2)
     >>> lay.chunk, lay.start, lay.local_rows, lay.padded_numel   # (3, 6, 1, 9)
+
+A leaf the model places on its own mesh dimensions too is laid out over its part there
+(:class:`Model`; [Note: the model's own dimensions] in :mod:`funshard.mesh`).
 """
 
 from __future__ import annotations

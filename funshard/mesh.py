@@ -13,6 +13,38 @@ between them), so a leaf the model keeps whole there has its gradient averaged o
     >>> mesh = make_mesh(shard=2, replicate=2)     # 2-D, 4 ranks
     >>> mesh = make_mesh(shard=2, tp=2)            # ("shard", "tp"), 4 ranks; mesh["tp"]
     >>> mesh = make_mesh(shard=2, ep=2)            # ("shard", "ep"): experts on mesh["ep"]
+
+[Note: the model's own dimensions]
+
+On a mesh with dimensions past ``"replicate"`` and ``"shard"`` (``"ep"``, ``"tp"``) a leaf's
+placements there are the model's, and funshard works on the part of the leaf this rank
+holds under them exactly as it works on a whole leaf elsewhere: its
+:class:`funshard.layout.Layout` is laid out over the part (``shape`` is the part's) and
+records the model's placements (:class:`funshard.layout.Model`); what is gathered is the
+part, and what the model is given (:func:`funshard.layout.as_model`) is that part as the
+model's DTensor again, through ``DTensor.from_local``, whose backward hands the part's
+gradient back (reduced over the model's dimension first where the model left it pending).
+So every collective and transport stays as it is, and the model's collectives the model's.
+
+Three choices, and why:
+
+- *The placement on "shard"*: when the model splits dim 0 too, funshard's rows are rows of
+  the model's part, which DTensor calls a strided shard (``_StridedShard(0,
+  split_factor=...)``, the placement FSDP2 gives the same leaf); with a plain ``Shard(0)``
+  DTensor would read the leaf as another tensor (``full_tensor``, ``redistribute``, a
+  checkpoint's resharding). It is torch's private class, found in :mod:`funshard._compat`.
+- *Which mesh a leaf lives on*: a placement cannot say whether the model holds a leaf as a
+  DTensor or as a plain tensor (a sequence-parallel norm weight is a DTensor
+  ``Replicate()`` on "tp", a norm the plan leaves alone a plain tensor, both the same on
+  every rank), so the leaf's mesh says it: a leaf lives on the data-parallel dimensions,
+  "ep", and the model's dimensions it is placed on; a plain one on the data-parallel ones
+  and "ep". :func:`funshard.layout.describe` takes the widest of these as the tree's mesh.
+- *"ep" apart from "tp"*: the ranks of a "tp" group compute on the same rows and hold parts
+  (or copies) of a leaf; those of "ep" compute on other rows. So a leaf only replicated on
+  "ep" is plain to the model and its gradient is averaged over "ep" too
+  (:func:`funshard.layout.spread_of`), while an expert (sharded on "ep") already holds every
+  "ep" rank's rows in its gradient and is reduced over "shard" only; the mean divides by
+  every part of the batch (:func:`data_size`).
 """
 
 from __future__ import annotations
