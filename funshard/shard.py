@@ -128,24 +128,38 @@ def shard(tree: Any, mesh: DeviceMesh, *, spec: Spec = SHARD) -> Any:
 def _check_agree(paths, leaves, mesh: DeviceMesh) -> None:
     """On a mesh with the model's own dimensions, every rank must give each leaf the same
     global shape and placements (a rank that placed a leaf otherwise, or kept it plain,
-    would shard another tensor than the others gather): one exchange of the leaves'
-    descriptions, ValueError on every rank naming the first that differs."""
+    would shard another tensor than the others gather). The leaves' descriptions go round
+    along each of the mesh's dimensions (which reaches every rank of the mesh and no other
+    rank of the world), then whether any rank found a difference: ValueError on every rank,
+    naming the first difference it saw."""
     mine = [(pytree.fqn(p), tuple(getattr(t, "shape", ())),
              (tuple(t.device_mesh.mesh_dim_names), tuple(map(repr, t.placements)))
              if isinstance(t, DTensor) else "plain") for p, t in zip(paths, leaves)]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for r, theirs in enumerate(every):
-        for a, b in zip(mine, theirs):
-            if a != b:
-                raise ValueError(
-                    f"shard: leaf {a[0]!r} differs between this rank ({dist.get_rank()}: "
-                    f"shape {a[1]}, {a[2]}) and rank {r} (leaf {b[0]!r}: shape {b[1]}, {b[2]}) "
-                    f"on {mesh_str(mesh)}; every rank must pass the same tree, each leaf "
-                    "placed alike (parallelize the model the same way on every rank).")
-        if len(mine) != len(theirs):
-            raise ValueError(f"shard: this rank passes {len(mine)} leaves, rank {r} "
-                             f"{len(theirs)}, on {mesh_str(mesh)}; pass the same tree.")
+    problem = None
+    for dim in mesh.mesh_dim_names:
+        group = mesh.get_group(dim)
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        for r, theirs in zip(dist.get_process_group_ranks(group), every):
+            diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+            if problem is None and diff is not None:
+                (a, b) = diff
+                problem = (f"leaf {a[0]!r} differs between rank {dist.get_rank()} (shape "
+                           f"{a[1]}, {a[2]}) and rank {r} (leaf {b[0]!r}: shape {b[1]}, {b[2]})")
+            elif problem is None and len(mine) != len(theirs):
+                problem = (f"rank {dist.get_rank()} passes {len(mine)} leaves, rank {r} "
+                           f"{len(theirs)}")
+    bad = problem is not None
+    for dim in mesh.mesh_dim_names:  # an or over each dimension in turn: over the mesh
+        group = mesh.get_group(dim)
+        flags: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(flags, bad, group=group)
+        bad = any(flags)
+    if bad:
+        what = problem or "another rank's tree differs from its peers'"
+        raise ValueError(
+            f"shard: {what} on {mesh_str(mesh)}; every rank must pass the same tree, each "
+            "leaf placed alike (parallelize the model the same way on every rank).")
 
 
 def _dims_of(leaf: Any, own: tuple[str, ...]) -> tuple[str, ...]:
