@@ -521,6 +521,19 @@ def loaded_elsewhere(spec, tmp, tp):
     return fs.state_dict(fs.checkpoint.load(f"{tmp}/tp", like=like), "full")
 
 
+def wrong_layout(spec, tmp):
+    """The checkpoint of :func:`state_dicts` loaded into a model whose vocabulary is larger:
+    refused before anything is read."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import (ModelArgs,
+                                                                            Transformer)
+    m = mesh(spec)
+    torch.manual_seed(0)
+    other = Transformer.parallelize(Transformer(ModelArgs(
+        n_layers=2, vocab_size=18, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)),
+        m["tp"], True, local_output_for_attn=True)
+    return capture(fs.checkpoint.load, f"{tmp}/tp", like=fs.shard(fs.params(other), m))
+
+
 def test_state_dicts_and_checkpoints_of_tensor_parallel_leaves(pools, tmp_path):
     """Saved on data-parallel 2 x tensor-parallel 2, loaded on data-parallel 4 (no tensor
     parallel) and on tensor-parallel 2 alone; every kind of state dict round-trips, the full
@@ -538,4 +551,7 @@ def test_state_dicts_and_checkpoints_of_tensor_parallel_leaves(pools, tmp_path):
             assert sd.keys() == full.keys(), spec
             for k in full:
                 assert torch.equal(sd[k], full[k]), (spec, k)
+    for kind, msg in pools.run("1x2x2", wrong_layout, str(tmp_path)):  # cannot hold it
+        assert kind == "ValueError" and "tok_embeddings.weight" in msg, (kind, msg)
+        assert "(16, 16)" in msg and "(18, 16)" in msg, msg
 
