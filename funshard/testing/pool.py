@@ -54,28 +54,37 @@ class RankError(RuntimeError):
 
 
 def world_of(spec) -> int:
-    """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4, ``"1x2x2"`` -> 4,
-    ``"1x2x2ep"`` -> 4, ``"1x1x2x2"`` -> 4.
+    """Processes a mesh spec needs: ``4`` -> 4, ``"2x2"`` -> 4, ``"1x2x2ep"`` -> 4.
 
     Raises:
         TypeError: ``spec`` is neither an int nor a string.
-        ValueError: ``spec`` is not an int >= 1 nor a ``"RxS"``, ``"RxSxT"``, ``"RxSxEep"``
-            or ``"RxSxExT"`` string.
+        ValueError: ``spec`` is not an int >= 1 nor a string :func:`_sizes` reads.
     """
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1:
             raise ValueError(f"mesh spec {spec}: a 1-D mesh needs >= 1 rank")
         return spec
+    return math.prod(_sizes(spec).values())
+
+
+_NAMES = {(2, False): ("replicate", "shard"), (3, False): ("replicate", "shard", "tp"),
+          (3, True): ("replicate", "shard", "ep"), (4, False): ("replicate", "shard", "ep", "tp")}
+
+
+def _sizes(spec) -> dict[str, int]:
+    """A string mesh spec's ``make_mesh`` sizes: ``"RxS"`` (replicate x shard), ``"RxSxT"``
+    (and tp), ``"RxSxEep"`` (and ep), ``"RxSxExT"`` (ep and tp)."""
     if not isinstance(spec, str):
         raise TypeError(f"mesh spec {spec!r}: use an int (1-D, e.g. 4) or 'RxS' (2-D, e.g. "
                         "'2x2': replicate x shard)")
     parts = spec.removesuffix("ep").split("x")
-    if len(parts) not in (2, 3, 4) or not all(x.isdigit() and int(x) >= 1 for x in parts):
+    names = _NAMES.get((len(parts), spec.endswith("ep")))
+    if names is None or not all(x.isdigit() and int(x) >= 1 for x in parts):
         raise ValueError(f"mesh spec {spec!r}: a 2-D spec is 'RxS' with R, S >= 1 (replicate "
                          "x shard), e.g. '2x2'; 'RxSxT' adds a tensor-parallel dimension of T "
                          "(replicate x shard x tp), e.g. '1x2x2'; 'RxSxEep' an expert-parallel "
                          "one, e.g. '1x2x2ep'; 'RxSxExT' both, e.g. '1x1x2x2'")
-    return math.prod(int(x) for x in parts)
+    return dict(zip(names, map(int, parts)))
 
 
 def device() -> torch.device:
@@ -101,9 +110,8 @@ _MESHES: dict = {}  # per worker process: mesh spec -> DeviceMesh (process group
 
 
 def mesh(spec=None):
-    """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; ``"RxS"`` -> 2-D;
-    ``"RxSxT"``: ``make_mesh(replicate=R, shard=S, tp=T)``; ``"RxSxEep"``: ``ep=E``;
-    ``"RxSxExT"``: both."""
+    """A cached mesh in a worker: ``n`` -> 1-D ("shard",) of n; a string -> ``make_mesh`` of
+    :func:`_sizes`."""
     from .. import make_mesh
 
     spec = dist.get_world_size() if spec is None else spec
@@ -112,10 +120,7 @@ def mesh(spec=None):
         if isinstance(spec, int):
             _MESHES[spec] = make_mesh(shard=spec, **kw)
         else:
-            rep, sh, *more = (int(x) for x in spec.removesuffix("ep").split("x"))
-            dims = dict(zip(("ep", "tp") if len(more) == 2 or spec.endswith("ep") else ("tp",),
-                            more))
-            _MESHES[spec] = make_mesh(shard=sh, replicate=rep, **dims, **kw)
+            _MESHES[spec] = make_mesh(**_sizes(spec), **kw)
     return _MESHES[spec]
 
 
