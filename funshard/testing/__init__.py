@@ -5,7 +5,7 @@ tensor memory, parity inputs, small reference models.
     >>> with Pool(2) as pool:
     ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
 
-``pool`` (Pool, Pools, mesh, the lane's DEVICE / device / devices_for), ``parity``
+``pool`` (Pool, Pools), ``lane`` (mesh specs, mesh, DEVICE / device / devices_for), ``parity``
 (assert_parity: N ranks against one process), ``counting`` (classify, CountCollectives),
 ``memory`` (LiveMemory, LivePeak, tensor_bytes), ``tensors`` (make_tensor, capture, stepped),
 ``launch`` (free_port, under_torchrun), ``models`` (GPT, MLP, gpt_loss, mse_loss, MatMulT).
@@ -17,10 +17,10 @@ fixture), which pytest loads by itself.
 from . import models
 from .counting import CountCollectives, classify
 from .launch import free_port, under_torchrun
+from .lane import DEVICE, MeshSpec, device, devices_for, mesh, world_of
 from .memory import LiveMemory, LivePeak, tensor_bytes
 from .parity import assert_parity
-from .pool import (DEVICE, MeshSpec, Pool, Pools, RankError, device, devices_for, mesh,
-                   world_of)
+from .pool import Pool, Pools, RankError
 from .tensors import TEST_DTYPES, capture, make_tensor, stepped
 
 __all__ = [

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import pytree
-from .pool import Pool, Pools, mesh, world_of
+from .lane import mesh, world_of
+from .pool import Pool, Pools
 
 
 class ModelLoss:
