@@ -18,7 +18,8 @@ def fake_params(shapes, cast=None):
             for i, s in enumerate(shapes)]
     dtypes = [cast or torch.float32] * len(shapes)
     return SimpleNamespace(members=[list(range(len(shapes)))], layouts=lays, dtypes=dtypes,
-                           world=1, names=["g"], mesh=None, uncast=[cast in (None, torch.float32)])
+                           world=1, data_world=1, names=["g"], mesh=None,
+                           uncast=[cast in (None, torch.float32)])
 
 
 def make_group(shapes=((4, 3), (5,)), cast=torch.float64):

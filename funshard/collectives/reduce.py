@@ -100,16 +100,22 @@ class GradBucket:
         transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"``.
         device: where the buffers and results live: the gradients' device (default: this
             rank's device of the mesh).
+        spread: as :func:`reduce_scatter`'s, for every leaf; ``spreads``: one per leaf
+            (experts and the rest in one bucket): the leaves with one come first in each
+            reduction, whose result's prefix is then all-reduced over it (one spread, or
+            none, per bucket).
     """
 
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
                  dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
                  borrow: bool = False, transport: str = "c10d",
-                 device: torch.device | None = None, spread: tuple[str, ...] = ()):
+                 device: torch.device | None = None, spread: tuple[str, ...] = (),
+                 spreads: Sequence[tuple[str, ...]] | None = None):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
-        self.spread = spread
+        # per leaf (one reduction per reduce dtype and spread)
+        self.spreads = list(spreads) if spreads is not None else [spread] * len(self.layouts)
         self.device = device if device is not None else mesh_device(mesh)
         self.world = data_size(mesh)  # the model's own dimensions hold other parts
         self.divide = self.world if op == "mean" else 1
@@ -123,11 +129,14 @@ class GradBucket:
             self.transport = choose(transport, shard_pg, self.device)
         borrow = borrow and self.transport.borrows
         self.parts: dict[torch.dtype, _Part] = {}
-        self.where: list[tuple[_Part, int]] = []
-        for lay, rdt in zip(self.layouts, self.dtypes):
+        self.where: list[tuple[_Part, int] | None] = [None] * len(self.layouts)
+        # leaves with a spread first: their part of each reduction is a prefix, all-reduced
+        # over the spread's dimensions after the one reduce-scatter of them all
+        for k in sorted(range(len(self.layouts)), key=lambda k: not self.spreads[k]):
+            rdt = self.dtypes[k]
             part = (self.parts.get(rdt)
                     or self.parts.setdefault(rdt, _Part(rdt, self.device, borrow)))
-            self.where.append((part, part.add(lay)))
+            self.where[k] = (part, part.add(self.layouts[k], self.spreads[k]))
 
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
         """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
@@ -154,13 +163,16 @@ class GradBucket:
                    else g.to(lay.dtype) for lay, g in zip(self.layouts, self.direct)]
             return Reducing([], out, self.layouts)
         shard_pg, rep_pg = process_groups(self.mesh)
-        reps = [(n, pg) for n, pg in ((REPLICATE, rep_pg),
-                                      *((n, self.mesh.get_group(n)) for n in self.spread))
-                if pg is not None and not skips(dist.get_world_size(pg))]
         parts = []
+        reps = ([(REPLICATE, rep_pg)] if rep_pg is not None
+                and not skips(dist.get_world_size(rep_pg)) else [])
         for part in self.parts.values():
-            idx = [k for k, (p, _) in enumerate(self.where) if p is part]
-            parts.append((idx, part.launch(shard_pg, reps, self.divide, self.transport)))
+            spread = [(n, pg) for n, pg in ((n, self.mesh.get_group(n)) for n in part.spread)
+                      if not skips(dist.get_world_size(pg))]
+            idx = [k for _, k in sorted((j, k) for k, (p, j) in enumerate(self.where)
+                                        if p is part)]
+            parts.append((idx, part.launch(shard_pg, reps, spread, self.divide,
+                                           self.transport)))
         self.parts = {}
         return Reducing(parts, None, self.layouts)
 
@@ -179,8 +191,16 @@ class _Part:
         self.seg = self.flat_numel = 0
         self.inp = self.flat = None
         self.filled: list[bool] = []
+        # the leaves added first with a spread, and how far they reach in each buffer
+        self.spread: tuple[str, ...] = ()
+        self.spread_seg = self.spread_flat = self.spread_count = 0
 
-    def add(self, lay: Layout) -> int:
+    def add(self, lay: Layout, spread: tuple[str, ...] = ()) -> int:
+        if spread:
+            if spread != (self.spread or spread) or len(self.layouts) > self.spread_count:
+                raise ValueError(f"funshard bug: gradient bucket leaf {lay.path!r} with spread "
+                                 f"{spread} after others without it, or after {self.spread}")
+            self.spread, self.spread_count = spread, self.spread_count + 1
         self.layouts.append(lay)
         self.filled.append(False)
         if self.kept is not None:
@@ -191,6 +211,8 @@ class _Part:
         else:
             self.offsets.append(self.flat_numel)
             self.flat_numel += math.prod(lay.shape)
+        if spread:
+            self.spread_seg, self.spread_flat = self.seg, self.flat_numel
         return len(self.layouts) - 1
 
     def _region(self, j: int) -> torch.Tensor:
@@ -222,13 +244,13 @@ class _Part:
         if dst.numel():
             _put_rows(dst, grad, lay, first)
 
-    def launch(self, shard_pg, reps, divide, transport) -> _ReduceOne:
+    def launch(self, shard_pg, reps, spread, divide, transport) -> _ReduceOne:
         for j, lay in enumerate(self.layouts):
             if lay.sharded and self.kept is not None:
                 continue  # a leaf never put sends zeros
             if not self.filled[j] and (self.seg if lay.sharded else self.flat_numel):
                 self._region(j).zero_()  # never put: zeros (every rank takes part)
-        return _ReduceOne(self, shard_pg, reps, divide, transport)
+        return _ReduceOne(self, shard_pg, reps, spread, divide, transport)
 
 
 def _put_rows(dst: torch.Tensor, grad: torch.Tensor, lay: Layout, first: bool) -> None:
@@ -277,9 +299,11 @@ class Reducing:
 class _ReduceOne:
     """One reduce dtype's collectives: launched on construction, finished by ``wait``."""
 
-    def __init__(self, part: _Part, shard_pg, reps, divide, transport):
+    def __init__(self, part: _Part, shard_pg, reps, spread, divide, transport):
         layouts, offsets, inp, flat = part.layouts, part.offsets, part.inp, part.flat
         self.layouts, self.reps, self.rdt, self.device = layouts, reps, part.rdt, part.device
+        # the leaves with a spread: a prefix of each piece, all-reduced over ``spread`` too
+        self.spread, self.prefix = spread, []
         self.divide = divide
         self.works, self.pieces = [], []
         self.results: list[torch.Tensor] = [None] * len(layouts)  # type: ignore[list-item]
@@ -291,6 +315,7 @@ class _ReduceOne:
                     n = lay.local_rows * lay.row_numel
                     self.results[k] = rs[offsets[k] : offsets[k] + n].view(lay.local_shape)
             self.pieces.append(rs)
+            self.prefix.append(rs[: part.spread_seg])
         if flat is not None and flat.numel():
             if not skips(dist.get_world_size(shard_pg)):
                 with watch("all-reduce", None, SHARD):
@@ -302,6 +327,7 @@ class _ReduceOne:
                     n = math.prod(lay.shape)
                     self.results[k] = flat[offsets[k] : offsets[k] + n].view(lay.shape)
             self.pieces.append(flat)
+            self.prefix.append(flat[: part.spread_flat])
 
     def _launch_shard(self, part: _Part, kept, shard_pg, transport) -> torch.Tensor:
         """Start the reduce-scatter of the sharded leaves; return its output (seg,)."""
@@ -342,12 +368,16 @@ class _ReduceOne:
         if self.both is not None:
             with watch("all-reduce", None, self.reps[0][0], since=self.rep_since):
                 self.rep_work.wait()
-            for name, pg in self.reps[1:]:  # "ep": the ranks that computed on other rows
-                with watch("all-reduce", None, name):
-                    dist.all_reduce(self.both, group=pg)
             if len(pieces) > 1:
                 torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
             self.both = self.rep_work = None
+        prefix = [p for p in self.prefix if p.numel()]
+        for name, pg in self.spread if prefix else ():  # "ep": ranks that computed other rows
+            both = prefix[0] if len(prefix) == 1 else torch.cat(prefix)
+            with watch("all-reduce", None, name):
+                dist.all_reduce(both, group=pg)
+            if len(prefix) > 1:
+                torch._foreach_copy_(prefix, list(both.split([p.numel() for p in prefix])))
         if self.divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
             torch._foreach_div_(pieces, self.divide)
         for k, lay in enumerate(self.layouts):

@@ -59,7 +59,7 @@ def check(params, policy, shards: list[torch.Tensor], *, where: str,
     desc = fingerprint(params, policy) + [("the number of buffers", str(len(buffers)))] + [
         (f"buffer {path!r}", f"shape {tuple(b.shape)}, {b.dtype}") for path, b in buffers]
     mine = (desc, checksums(shards) + checksums([b for _, b in buffers]),
-            params.mesh.get_local_rank(SHARD))
+            dict(zip(params.mesh.mesh_dim_names, params.mesh.get_coordinate())))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     _compare_descriptions(every, where)
@@ -95,9 +95,9 @@ def _compare_descriptions(every: list, where: str) -> None:
 
 def _compare_values(every: list, params, where: str) -> None:
     for i, lay in enumerate(params.layouts):
-        seen: dict[int, tuple[int, str]] = {}  # shard coordinate -> (rank, checksum)
+        seen: dict[tuple, tuple[int, str]] = {}  # part (_part) -> (rank, checksum)
         for rank, (_, sums, coord) in enumerate(every):
-            key = coord if lay.sharded else 0
+            key = _part(lay, coord)
             if key not in seen:
                 seen[key] = (rank, sums[i])
             elif seen[key][1] != sums[i]:
@@ -110,6 +110,17 @@ def _compare_values(every: list, params, where: str) -> None:
                     "would drift apart. Seed the initialisation alike on every rank "
                     "(torch.manual_seed before building the model) or load the same weights."
                 )
+
+
+def _part(lay, coord: dict) -> tuple:
+    """Which part of a leaf a rank at mesh coordinate ``coord`` holds: its place on "shard"
+    (a sharded leaf) and on each of the model's dimensions that split it; ranks with the
+    same part hold the same values."""
+    dims = [SHARD] if lay.sharded else []
+    if lay.model is not None:
+        dims += [n for n, pl in zip(lay.model.mesh.mesh_dim_names, lay.model.placements)
+                 if not pl.is_replicate()]
+    return tuple(coord[n] for n in dims)
 
 
 def order_sums(order: tuple) -> list[float]:

@@ -207,6 +207,8 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
     if pending is not None and not (no_read and pending.program is updates):
         pending.settle()  # this step reads, or another step's device state: theirs first
     params, leaves = groups_for(state.params)
+    if compiled is not None:
+        params.refuse_compiled("train_step")
     donations.check(state, leaves)
     _check_counts(state)
     scaling.check_state(policy, state.loss_scale)

@@ -218,7 +218,7 @@ def enter_module(run, gi: int, leaves: list) -> dict:
     else:
         lazy.gather_first(run, [group.stands[k] for _, k in leaves], [gi])
     stats = run.params.running_stats[gi]  # stay stand-ins (see lazy._refuse_running_stats)
-    return {name: group.fulls[k] for name, k in leaves if k not in stats}
+    return {name: run.model_view(gi, k, group.fulls[k]) for name, k in leaves if k not in stats}
 
 
 @lazy.eager
@@ -230,7 +230,7 @@ def recomputed(run, gi: int, leaves: list) -> dict:
     recompute.check_reinstalled(run)
     with recompute.own_ops(False), torch.no_grad():
         run.use([gi], new_op=False)
-        return {name: run.recompute_leaf(gi, k) for name, k in leaves}
+        return {name: run.model_view(gi, k, run.recompute_leaf(gi, k)) for name, k in leaves}
 
 
 @lazy.eager

@@ -52,7 +52,7 @@ from .lazy import in_place_error
 
 def usable(params) -> bool:
     """Whether a step over ``params`` (a :class:`ParamGroups`) takes the direct path."""
-    return (collectives.skips(params.world) and all(params.uncast)
+    return (collectives.skips(params.data_world) and all(params.uncast) and not params.model
             and not any(params.running_stats))
 
 

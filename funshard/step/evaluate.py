@@ -94,6 +94,7 @@ def eval_step(fn: Callable, *, policy: Policy = Policy(), compile: Any = False) 
             buffers_.check_dtypes(groups, bufs, where="eval_step")
         leaves = pytree.flatten(params)[0]
         if compiled is not None:
+            groups.refuse_compiled("eval_step")
             return compiled.evaluate(groups, leaves, bufs, args, kwargs,
                                      lambda: _eager(fn, policy, groups, leaves, bufs, args,
                                                     kwargs))

@@ -23,7 +23,7 @@ class Reductions:
         self.used = used  # leaves (tree positions) given a gradient on this rank this step
         self.accumulating = accumulating
         # a world of one, one micro-batch: each gradient is its own reduction (see put_all)
-        self.local = collectives.skips(params.world) and not accumulating
+        self.local = collectives.skips(params.data_world) and not accumulating
         # reductions in flight, oldest first: (group, leaf positions, collectives.Reducing)
         self.in_flight: list[tuple[object, list[int], collectives.Reducing]] = []
 
@@ -44,7 +44,7 @@ class Reductions:
             b = self.buckets[group.gi] = collectives.GradBucket(
                 [p.layouts[group.idx[k]] for k in pos], p.mesh, dts, alias=True,
                 borrow=not self.accumulating, transport=self.policy.transport,
-                device=p.device)
+                device=p.device, spreads=[p.spreads[group.idx[k]] for k in pos])
         return b
 
     def put(self, group, k: int, grad: torch.Tensor) -> None:

@@ -107,7 +107,7 @@ class Group:
         self.stands: list | None = None  # the stand-ins loss_fn holds (see .lazy)
         self.ended = False  # backward is done with it (its gradients are complete)
         self.pinned = False  # resident until its backward ([Note: hooks beneath the step's])
-        self.local = collectives.skips(params.world)  # a world of one: a gather is a cast (_cast)
+        self.local = collectives.skips(params.data_world)  # one data rank: a gather is a cast
 
     @property
     def name(self) -> str:
@@ -201,7 +201,7 @@ class Group:
     @property
     def aliases(self) -> bool:
         """A world of one with no cast: the shards are the full tensors (see :meth:`alias`)."""
-        return collectives.skips(self.params.world) and self.params.uncast[self.gi]
+        return collectives.skips(self.params.data_world) and self.params.uncast[self.gi]
 
     def alias(self, given: bool = False) -> None:
         """SHARDED -> ALIASED: nothing to gather. Each full tensor is a new autograd leaf on

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..layout import from_model
 from . import recompute
 
 _METADATA = {
@@ -247,11 +248,15 @@ def taken(group, grads: list) -> None:
     group's full tensor, and autograd holds the stand-in as a leaf of its own). Autograd
     accumulates a leaf's gradient as soon as it is computed, so it is there when backward
     is done with the group, unless the Function is the group's first use in backward's
-    order (:func:`check_untaken` refuses that)."""
+    order (:func:`check_untaken` refuses that). A leaf the model places on its own mesh
+    dimensions took the gradient as the model holds it (a DTensor): its part is taken."""
     with _compat.DisableTorchFunctionSubclass():
         for k, x in enumerate(group.stands or ()):
             if x.requires_grad and (g := x.grad) is not None:
                 x.grad = None
+                lay = group.params.layouts[group.idx[k]]
+                if lay.model is not None:
+                    g = from_model(g, lay, "train_step")
                 grads[k] = g if grads[k] is None else grads[k] + g
 
 
@@ -271,8 +276,8 @@ def _substitute(run, values, recompute: bool = False) -> list:
     out = []
     for x in values:
         if isinstance(x, LazyParam):
-            x = (run.recompute_leaf(x._gi, x._k) if recompute
-                 else run.groups[x._gi].fulls[x._k])
+            x = run.model_view(x._gi, x._k, run.recompute_leaf(x._gi, x._k) if recompute
+                               else run.groups[x._gi].fulls[x._k])
         elif isinstance(x, (list, tuple)):
             x = type(x)(_substitute(run, x, recompute))
         out.append(x)
@@ -314,7 +319,8 @@ def stand_ins(run, params, shards: list[torch.Tensor], *,
               requires_grad: bool = True) -> list[LazyParam]:
     """One stand-in per leaf of ``params`` (a :class:`ParamGroups`), known to its group;
     trainable leaves' require grad unless ``requires_grad`` is False (evaluation)."""
-    out = [LazyParam(run, params.group_of[i], params.pos[i], lay.shape, params.dtypes[i],
+    out = [LazyParam(run, params.group_of[i], params.pos[i],
+                     lay.shape if lay.model is None else lay.model.shape, params.dtypes[i],
                      shards[i].device, requires_grad and params.trainable[i])
            for i, lay in enumerate(params.layouts)]
     run.stand_group = {id(x): (params.group_of[i], params.pos[i]) for i, x in enumerate(out)}

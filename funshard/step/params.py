@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .. import pytree
-from ..layout import describe
-from ..mesh import mesh_device, mesh_str
+from ..layout import describe, spread_of
+from ..mesh import data_size, mesh_device, mesh_str
 from ..reduce import norm_weights
 from .buffers import STATS
 from .direct import Leaves
@@ -32,7 +32,7 @@ class ParamGroups:
     """
 
     def __init__(self, params: Any, policy):
-        mesh, paths, leaves, layouts, spec = describe(params, what="train_step")
+        mesh, paths, leaves, layouts, spec = describe(params, what="train_step", model=True)
         self.mesh, self.spec, self.layouts = mesh, spec, layouts
         names = [pytree.fqn(p) for p in paths]
         self.names, self.members = partition(
@@ -53,7 +53,12 @@ class ParamGroups:
                                if names[i].rsplit(".", 1)[-1] in STATS}
                               for idx in self.members]
         self.dtypes = [policy.compute_dtype(n, leaf.dtype) for n, leaf in zip(names, leaves)]
-        self.world = mesh.size()
+        # every rank of the mesh (the metrics' all-reduce), and the ranks that gather and
+        # reduce a leaf: the data-parallel ones (the model's own dimensions hold its parts)
+        self.world, self.data_world = mesh.size(), data_size(mesh)
+        self.model = any(lay.model is not None for lay in layouts)  # leaves the model places
+        # per leaf: the model's dimensions over which it is reduced too ("ep": not an expert)
+        self.spreads = [spread_of(leaf) for leaf in leaves]
         # per group: no leaf is cast (on a world of one its shards are its full tensors)
         self.uncast = [all(self.dtypes[i] == leaves[i].dtype for i in idx)
                        for idx in self.members]
@@ -75,6 +80,14 @@ class ParamGroups:
                 f"train_step: the mesh {mesh_str(mesh)} has {mesh.size()} ranks but "
                 f"the world has {dist.get_world_size()}; build it with fs.make_mesh()."
             )
+
+    def refuse_compiled(self, what: str) -> None:
+        """``compile=True`` on a mesh with the model's own dimensions: not traced (yet)."""
+        if self.model:
+            raise NotImplementedError(
+                f"{what}(compile=True): the mesh {mesh_str(self.mesh)} has the model's own "
+                "dimensions, whose DTensors the compiled step does not trace; use the eager "
+                "step (compile=False), or compile the model's forward with torch.compile.")
 
     def on_device(self, key: Any, dtype: torch.dtype, values: Callable[[], list]) -> torch.Tensor:
         """A constant tensor of the step (``values()``, on this rank's device), made the first

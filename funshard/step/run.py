@@ -14,6 +14,7 @@ import contextvars
 import torch
 
 from .. import _compat, collectives
+from ..layout import as_model
 from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
@@ -38,7 +39,7 @@ class Run:
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
         self.direct = direct  # shards are the leaves loss_fn gets: see .direct
-        self.tapped = not collectives.skips(params.world)  # large gradients stream via lazy.Tap
+        self.tapped = not collectives.skips(params.data_world)  # large gradients: lazy.Tap
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
@@ -123,7 +124,7 @@ class Run:
 
     def _prefetch(self) -> None:
         """Start gathering the group the schedule has next, if this run follows it."""
-        if (not self.policy.prefetch or collectives.skips(self.params.world)
+        if (not self.policy.prefetch or collectives.skips(self.params.data_world)
                 or not self.in_order[self.backward]):
             return
         order, seen = self.order(self.backward), self.seen[self.backward]
@@ -179,6 +180,18 @@ class Run:
             yield self
         finally:
             _CURRENT.reset(token)
+
+    def model_view(self, gi: int, k: int, full: torch.Tensor) -> torch.Tensor:
+        """Leaf ``k`` of group ``gi``'s gathered tensor as the model takes it: on a mesh with
+        the model's own dimensions, a DTensor there for a leaf the model places on them
+        (:func:`funshard.layout.as_model`; its backward reduces the model's own pending
+        gradients), else ``full``. Under grad mode always: a recompute asks for it under
+        no_grad (the step's own work is not recomputed), and its ops must save what the
+        first pass's did."""
+        if not self.params.model:
+            return full
+        with torch.enable_grad():
+            return as_model(full, self.params.layouts[self.params.members[gi][k]])
 
     def recompute_leaf(self, gi: int, k: int) -> torch.Tensor:
         """Leaf ``k`` of group ``gi`` for a forward recomputed in backward (activation

@@ -12,6 +12,7 @@ See [Note: a group's life] in :mod:`funshard.step.group`.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import _compat
 from .group import S
@@ -57,8 +58,13 @@ class SavedParams:
         storage = self.run.storage
         if not storage:  # no group holds gathered storage (a world of one, no cast)
             return t
+        # a DTensor the model computes with (see Run.model_view): its local tensor's storage
+        local = t
+        if isinstance(t, DTensor):
+            with torch.no_grad():  # the local tensor itself, no autograd node
+                local = t.to_local()
         try:
-            hit = storage.get(t.untyped_storage().data_ptr())
+            hit = storage.get(local.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
             return t
         if hit is None:

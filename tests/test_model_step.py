@@ -1,0 +1,241 @@
+"""``fs.train_step`` and ``fs.eval_step`` on meshes with the model's own dimensions: torch's
+test Transformer tensor parallel (with and without sequence parallel), its mixture of
+experts on "ep" (alone and with "tp"), and Hugging Face Llama with a tensor-parallel plan,
+against one process on the whole batch, against FSDP2 + TP, and against the same step on a
+plain data-parallel mesh (its collectives and its gathered-group peak)."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import funshard as fs
+from funshard.testing import mesh
+from test_ep import _moe
+from test_tp import (_batch, _Collectives, _group_ranks, _llama, _llama_loss, _transformer,
+                     one_process)
+
+POLICIES = {
+    "full_shard": {},
+    "shard_grad_op": {"reshard_after_forward": False},
+    "checkpoint": {"checkpoint": True},
+    "accumulate": {"accumulate": 2},
+}
+
+
+def _optimizer(name):
+    return (fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.adamw(1e-2))
+            if name == "adamw" else fs.optim.sgd(0.5, momentum=0.9))
+
+
+def _step_loss(model):
+    def loss_fn(p, b):
+        out = fs.call(model, p, b[0])
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+    return loss_fn
+
+
+def stepped(spec, kind, policy, optimizer, sequence_parallel=False):
+    """3 steps of ``fs.train_step`` on this rank's rows (a "tp" group's ranks share theirs);
+    the losses (the step's mean over ranks), the trained weights, and the second step's
+    collectives (funshard's, by kind and group ranks; the model's, by group ranks) and
+    gathered-group peak. ``kind``: "tp" (test Transformer, its TP plan), "ep" (its MoE,
+    experts on "ep"), "ep+tp", or "plain" (the unparallelized Transformer on a 1-D mesh)."""
+    m = mesh(spec)
+    model = {"tp": lambda: _transformer(m["tp"], sequence_parallel),
+             "ep": lambda: _moe(m["ep"]), "ep+tp": lambda: _moe(m["ep"], m["tp"]),
+             "plain": _transformer}[kind]()
+    tp = m.size(m.ndim - 1) if "tp" in m.mesh_dim_names else 1
+    n, r = dist.get_world_size() // tp, dist.get_rank() // tp
+    rows = slice(r * 4 // n, (r + 1) * 4 // n)
+    step = fs.train_step(_step_loss(model), _optimizer(optimizer), policy=fs.Policy(**policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    losses, seen = [], None
+    for s in range(3):
+        x, y = _batch(s)
+        with _Collectives() as cc:
+            state, metrics = step(state, (x[rows], y[rows]))
+            losses.append(float(metrics["loss"]))
+        if s == 1:
+            seen = (Counter((op, _group_ranks(g)) for op, g in cc.ours),
+                    {_group_ranks(g) for _, g in cc.model}, metrics["unsharded_groups_peak"])
+    groups = {d: _group_ranks(m.get_group(d).group_name) for d in m.mesh_dim_names}
+    return losses, fs.state_dict(state.params, "full"), *seen, groups
+
+
+def _ours(counts, op, group):
+    return sum(c for (o, g), c in counts.items() if op in o and g == group)
+
+
+@pytest.mark.parametrize("spec,sequence_parallel,optimizer,policy", [
+    (spec, sp, opt, policy) for spec, sp, opt in (("1x2x2", True, "adamw"),
+                                                  ("2x1x2", False, "sgd"))
+    for policy in POLICIES] + [("2x2x2", True, "sgd", "full_shard"),
+                               ("2x2x2", False, "adamw", "shard_grad_op")])
+def test_train_step_with_tensor_parallel_trains_as_one_process(pools, spec, sequence_parallel,
+                                                              optimizer, policy):
+    """torch's test Transformer with its TP plan (SP too), FULL_SHARD, SHARD_GRAD_OP,
+    checkpointed blocks, 2 micro-batches: 3 steps match one process on the whole batch
+    (AdamW with a clipped norm; SGD with momentum, which sees the gradient's scale). The
+    step's collectives on "shard" are those of the same step on a plain mesh of the
+    data-parallel ranks (one all-gather per group and direction, one reduce-scatter per
+    group), as is its gathered-group peak; "replicate" has one all-reduce per group; the
+    model's own collectives are all on "tp"."""
+    want_losses, want = one_process(optimizer)
+    plain = pools.run(2, stepped, "plain", POLICIES[policy], optimizer)[0]
+    out = pools.run(spec, stepped, "tp", POLICIES[policy], optimizer, sequence_parallel)
+    for losses, full, ours, theirs, peak, groups in out:
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        assert theirs == {groups["tp"]}, theirs
+        assert peak == plain[4], (peak, plain[4])
+        shard = groups["shard"]
+        for op in ("gather", "reduce_scatter"):
+            want_n = _ours(plain[2], op, (0, 1)) if len(shard) > 1 else 0
+            assert _ours(ours, op, shard) == want_n, (op, ours, plain[2])
+        n_groups = _ours(plain[2], "reduce_scatter", (0, 1))
+        assert _ours(ours, "allreduce", groups.get("replicate")) == (
+            n_groups if "replicate" in groups else 0), ours
+        world = tuple(range(len(out)))  # every rank: the metrics' all-reduce
+        assert sum(ours.values()) == (_ours(ours, "gather", shard) + _ours(
+            ours, "reduce_scatter", shard) + _ours(ours, "allreduce", groups.get("replicate"))
+            + ours[("allreduce_", world)]), ours
+
+
+@pytest.mark.parametrize("spec,kind", [("1x2x2ep", "ep"), ("2x1x2ep", "ep"),
+                                       ("1x1x2x2", "ep+tp"), ("1x2x2x2", "ep+tp")])
+@pytest.mark.parametrize("policy", ["full_shard", "shard_grad_op"])
+def test_train_step_with_experts_on_ep_trains_as_one_process(pools, spec, kind, policy):
+    """The mixture of experts with its experts on "ep" (and "tp"): 3 AdamW steps match one
+    process. Each group is reduce-scattered once on "shard", experts and the rest together,
+    then the rest alone (a prefix of the result) is all-reduced on "ep": one all-reduce per
+    group there."""
+    want_losses, want = one_process("adamw", _moe())
+    for losses, full, ours, theirs, _, groups in pools.run(spec, stepped, kind,
+                                                           POLICIES[policy], "adamw"):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        n_groups = 3  # "", layers.0, layers.1
+        if len(groups["shard"]) > 1:
+            assert _ours(ours, "reduce_scatter", groups["shard"]) == n_groups, ours
+        assert _ours(ours, "allreduce", groups["ep"]) == n_groups, ours
+        if "replicate" in groups:
+            assert _ours(ours, "allreduce", groups["replicate"]) == n_groups, ours
+
+
+def llama_stepped(spec, how):
+    """3 AdamW steps of Llama (bfloat16 compute, float32 reduction) on this data-parallel
+    rank's rows: ``fs.train_step``, or (``how="fsdp2"``) torch's fully_shard per decoder
+    layer and the root on "shard". The mean loss over ranks per step and the weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = mesh(spec)
+    model = _llama(m["tp"])
+    ndp = fs.mesh.data_size(m)
+    dp = dist.get_rank() // m.size(m.ndim - 1)
+    rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
+    losses = []
+    if how == "fsdp2":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=m["shard"], mp_policy=mp)
+        fully_shard(model, mesh=m["shard"], mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        for s in range(3):
+            x, y = _batch(s, 64)
+            loss = _llama_loss(model(x[rows]).logits, y[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / dist.get_world_size())
+        return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
+    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
+                         fs.optim.adamw(1e-2),
+                         policy=fs.Policy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32))
+    state = step.init(fs.shard(fs.params(model), m))
+    for s in range(3):
+        x, y = _batch(s, 64)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(float(metrics["loss"]))
+    return losses, fs.state_dict(state.params, "full")
+
+
+def test_hugging_face_llama_tensor_parallel_train_step_trains_as_fsdp2_with_tp(pools):
+    """Llama with its tensor-parallel plan (torch's API), bfloat16 compute and float32
+    reduction: the step's losses and weights are FSDP2 + TP's on the same mesh and rows."""
+    ours = pools.run("1x2x2", llama_stepped, "step")
+    theirs = pools.run("1x2x2", llama_stepped, "fsdp2")
+    for (losses, weights), (want_losses, want) in zip(ours, theirs):
+        assert losses == pytest.approx(want_losses, abs=1e-6)
+        assert weights.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(weights[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+def evaluated(spec):
+    m = mesh(spec)
+    model = _transformer(m["tp"], True)
+    evaluate = fs.eval_step(lambda p, x: fs.call(model, p, x))
+    out = evaluate(fs.shard(fs.params(model), m), _batch(0)[0])
+    return out.full_tensor() if isinstance(out, torch.distributed.tensor.DTensor) else out
+
+
+def test_eval_step_with_tensor_parallel_computes_as_one_process(pools):
+    model = _transformer()
+    with torch.no_grad():
+        want = model(_batch(0)[0])
+    for got in pools.run("1x2x2", evaluated):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def with_extra(spec, extra):
+    """2 SGD steps whose loss adds 0.01 x the sum of twice the final norm's weight (a
+    sequence-parallel DTensor to the model), through a custom Function given the leaf as
+    loss_fn received it (``"function"``), through torch ops (``"ops"``), or not at all."""
+    m = mesh(spec)
+    model = _transformer(m["tp"], True)
+
+    def loss_fn(p, b):
+        out = fs.call(model, p, b[0])
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+        w = p["norm.weight"]
+        if extra is None:
+            return loss
+        twice = _Twice.apply(w) if extra == "function" else w * 2
+        return loss + 0.01 * twice.to_local().sum()
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(0.1))
+    state = step.init(fs.shard(fs.params(model), m))
+    for s in range(2):
+        state, _ = step(state, _batch(s))
+    return fs.state_dict(state.params, "full")
+
+
+def test_a_custom_function_given_a_tensor_parallel_leaf_as_it_is_trains(pools):
+    """Outside its group's module a leaf is a stand-in; a custom autograd Function given it
+    as it is computes with the model's DTensor, and the gradient it returns (a DTensor) is
+    taken as the leaf's part: the same weights as the loss written with torch ops."""
+    through = pools.run("1x2x2", with_extra, "function")
+    ops = pools.run("1x2x2", with_extra, "ops")[0]
+    none = pools.run("1x2x2", with_extra, None)[0]
+    assert not torch.equal(ops["norm.weight"], none["norm.weight"])  # the term counts
+    for got in through:
+        for k, v in ops.items():
+            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=k)
