@@ -21,6 +21,7 @@ ring algorithms. Memory excludes activations (they depend on the batch, not the 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -50,7 +51,8 @@ class Traffic(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """What one training step costs each rank: memory by kind and traffic by collective."""
+    """What one training step costs each rank: memory by kind and traffic by collective
+    (funshard's; a tensor-parallel model's own collectives on "tp" are not counted)."""
 
     mesh: tuple[int, int]  # (replicate, shard)
     numel: int  # parameters, a tied one once
@@ -60,6 +62,7 @@ class Plan(NamedTuple):
     memory: dict[str, int]  # per rank (the largest rank), bytes
     comms: dict[str, Traffic]  # per step, by kind ("all_gather", "reduce_scatter", "all_reduce")
     bound: dict[str, Traffic]  # the lower bound: 2 (or 1) gathers + 1 reduction of every group
+    tp: int = 1  # the mesh's "tp" size
 
 
 def gpt_order(layers: int, root: str = "", prefix: str = "layers") -> dict[str, list[str]]:
@@ -82,6 +85,52 @@ def gpt_dims(params: float, *, vocab: int = 32000, seq: int = 2048) -> dict[str,
     per_block = 12 * dim * dim + 13 * dim
     layers = max(1, round((params - (vocab + seq) * dim) / per_block))
     return {"vocab": vocab, "dim": dim, "heads": max(1, dim // 128), "layers": layers, "seq": seq}
+
+
+def tp_dims(model: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, int]:
+    """The dimension each parameter is split on over ``"tp"`` by ``tp_plan`` (what
+    ``parallelize_module(model, mesh["tp"], tp_plan)`` takes: module paths, ``*`` for one
+    path atom, to torch's parallel styles), for :func:`plan`'s ``tp_dims``.
+    ``ColwiseParallel`` splits a Linear's weight and bias on dim 0 and an Embedding's weight
+    on dim 1; ``RowwiseParallel`` a Linear's weight on dim 1 (its bias stays whole) and an
+    Embedding's on dim 0; ``SequenceParallel`` and the ``PrepareModule*`` styles split none."""
+    from torch.distributed.tensor import parallel as tp
+
+    split = {(tp.ColwiseParallel, nn.Linear): {"weight": 0, "bias": 0},
+             (tp.ColwiseParallel, nn.Embedding): {"weight": 1},
+             (tp.RowwiseParallel, nn.Linear): {"weight": 1},
+             (tp.RowwiseParallel, nn.Embedding): {"weight": 0}}
+    whole = (tp.SequenceParallel, tp.PrepareModuleInput, tp.PrepareModuleOutput,
+             tp.PrepareModuleInputOutput)
+    out: dict[str, int] = {}
+    modules = dict(model.named_modules())
+    canonical = {id(v): k for k, v in reversed(list(model.named_parameters()))}  # tied: first
+    for pattern, style in tp_plan.items():
+        atoms = pattern.split(".")
+        found = [n for n in modules if len(n.split(".")) == len(atoms) and all(
+            fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), atoms))]
+        if not found:
+            raise ValueError(f"tp_dims: {pattern!r} names no module of the "
+                             f"{type(model).__name__}")
+        for name in found:
+            if isinstance(style, whole):
+                continue
+            kind = next((k for k in split if isinstance(style, k[0])
+                         and isinstance(modules[name], k[1])), None)
+            if kind is None:
+                raise ValueError(
+                    f"tp_dims: {type(style).__name__} on {name!r} (a "
+                    f"{type(modules[name]).__name__}) splits parameters in a way plan does "
+                    "not know; give plan(tp_dims=) the dimension of each parameter yourself.")
+            for leaf, dim in split[kind].items():
+                t = getattr(modules[name], leaf, None)
+                if t is None:
+                    continue
+                key = canonical.get(id(t), f"{name}.{leaf}")
+                if out.setdefault(key, dim) != dim:
+                    raise ValueError(f"tp_dims: {key!r} is split on dim {out[key]} and, as "
+                                     f"{name}.{leaf}, on dim {dim}")
+    return out
 
 
 def _leaves(shapes: Any) -> list[tuple[str, torch.Size, torch.dtype, bool]]:
@@ -124,12 +173,15 @@ def plan(
     *,
     shard: int,
     replicate: int = 1,
+    tp: int = 1,
+    tp_dims: Mapping[str, int] | None = None,
     policy: Policy = Policy(),
     optimizer: str = "adamw",
     forward: Sequence[str] | None = None,
     backward: Sequence[str] | None = None,
 ) -> Plan:
-    """Per-rank memory and per-step traffic of ``fs.train_step`` on a (replicate, shard) mesh.
+    """Per-rank memory and per-step traffic of ``fs.train_step`` on a (replicate, shard)
+    mesh, or a (replicate, shard, tp) one with a tensor-parallel model.
 
     Args:
         shapes: an ``nn.Module`` (meta is fine) or a dict fqn -> tensor | shape (float32,
@@ -137,6 +189,9 @@ def plan(
             as ``fs.shard``'s default spec does.
         shard: the mesh's ``"shard"`` size.
         replicate: the mesh's ``"replicate"`` size.
+        tp: the mesh's ``"tp"`` size; ``tp_dims``: the dimension the model splits each
+            parameter on over it (:func:`tp_dims` reads a ``parallelize_module`` plan);
+            the others are whole on every ``"tp"`` rank. funshard shards each rank's part.
         policy: groups, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``,
             ``prefetch`` as the step would use them.
         optimizer: ``"adamw"`` (2 state tensors per parameter), ``"sgd_momentum"`` (1),
@@ -154,24 +209,25 @@ def plan(
         once the order is learned), ``reduce_buffers`` (estimate: one group's full
         gradients and the flat buffer they are reduced from) and ``total``.
     """
-    for name, v in (("shard", shard), ("replicate", replicate)):
+    for name, v in (("shard", shard), ("replicate", replicate), ("tp", tp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan: {name}={v!r} must be a positive int")
     n_state = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}.get(optimizer)
     if n_state is None:
         raise ValueError(f"plan: optimizer={optimizer!r}; use 'adamw', 'sgd_momentum' or 'sgd'")
-    t = _tree(shapes, shard, policy)
+    t = _tree(shapes, shard, policy, tp, dict(tp_dims or {}))
     sched = _schedule(t, policy, forward, backward, gathers=shard * replicate > 1)
     comms = _gather_traffic(t, sched, policy, shard)
-    comms.update(_reduce_traffic(t, policy, shard, replicate))
+    comms.update(_reduce_traffic(t, policy, shard, replicate, tp))
     comms = {k: v for k, v in comms.items() if v.count}
-    return Plan((replicate, shard), sum(math.prod(lay.shape) for lay in t.lays), t.pbytes,
-                tuple(t.groups), tuple(t.group_bytes), _memory(t, sched, policy, n_state),
-                comms, _bound(t, policy, shard, replicate))
+    return Plan((replicate, shard), t.numel, t.pbytes, tuple(t.groups), tuple(t.group_bytes),
+                _memory(t, sched, policy, n_state), comms, _bound(t, policy, shard, replicate),
+                tp)
 
 
 class _Tree(NamedTuple):
-    """The leaves as the step would see them on rank 0 of ``"shard"``."""
+    """The leaves as the step would see them on rank 0 of ``"shard"`` (and of ``"tp"``: the
+    model's part of each leaf)."""
 
     lays: list[Layout]
     trainable: list[bool]
@@ -179,15 +235,32 @@ class _Tree(NamedTuple):
     groups: list[str]
     members: list[list[int]]
     group_bytes: list[int]  # full (padded) bytes per group, compute dtype
-    pbytes: int  # parameter bytes in the compute dtype, no padding
+    pbytes: int  # parameter bytes (this rank's parts) in the compute dtype, no padding
+    numel: int  # the whole parameters' elements
 
     def rdt(self, i: int, policy: Policy) -> torch.dtype:
         return policy.reduce_dtype or self.dtypes[i]
 
 
-def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
+def _part(name: str, shape: torch.Size, tp: int, dims: dict) -> torch.Size:
+    """Rank 0's part of a leaf the model splits on dim ``dims[name]`` over ``tp`` ranks (the
+    largest: ``torch.chunk``'s first)."""
+    d = dims.pop(name, None)
+    if d is None or tp == 1:
+        return shape
+    if not -len(shape) <= d < len(shape):
+        raise ValueError(f"plan: tp_dims[{name!r}] = {d} is no dimension of its shape "
+                         f"{tuple(shape)}")
+    return torch.Size(-(-n // tp) if j == d % len(shape) else n for j, n in enumerate(shape))
+
+
+def _tree(shapes: Any, shard: int, policy: Policy, tp: int, dims: dict) -> _Tree:
     leaves = _leaves(shapes)
     names = [n for n, *_ in leaves]
+    numel = sum(math.prod(s) for _, s, *_ in leaves)
+    leaves = [(n, _part(n, s, tp, dims), dt, tr) for n, s, dt, tr in leaves]
+    if dims:
+        raise ValueError(f"plan: tp_dims names {sorted(dims)}, which are no leaves of shapes")
     lays = [Layout(n, s, dt, len(s) > 0, shard, 0) for n, s, dt, _ in leaves]
     dtypes = [policy.compute_dtype(n, dt) for n, _, dt, _ in leaves]
     groups, members = partition(group_names(names, policy.groups, dict.fromkeys(names, 0),
@@ -195,7 +268,8 @@ def _tree(shapes: Any, shard: int, policy: Policy) -> _Tree:
     group_bytes = [sum(lays[i].full_bytes(dtypes[i]) for i in idx if lays[i].sharded)
                    for idx in members]
     pbytes = sum(math.prod(lay.shape) * dt.itemsize for lay, dt in zip(lays, dtypes))
-    return _Tree(lays, [t for *_, t in leaves], dtypes, groups, members, group_bytes, pbytes)
+    return _Tree(lays, [t for *_, t in leaves], dtypes, groups, members, group_bytes, pbytes,
+                 numel)
 
 
 def _schedule(t: _Tree, policy: Policy, forward, backward, gathers: bool) -> Schedule:
@@ -263,7 +337,7 @@ def _gather_traffic(t: _Tree, sched: Schedule, policy: Policy, shard: int) -> di
     return {"all_gather": Traffic(len(ag), sum(ag), sum(ag), int(sum(ag) * _ring(shard)))}
 
 
-def _reduce_traffic(t: _Tree, policy: Policy, shard: int, replicate: int) -> dict:
+def _reduce_traffic(t: _Tree, policy: Policy, shard: int, replicate: int, tp: int) -> dict:
     """Per group and reduce dtype: one reduce-scatter (sharded leaves), one all-reduce on
     "shard" (replicated leaves), one on "replicate"; plus the step's metrics all-reduce."""
     rs_in = rs_out = ar = ar_rep = n_rs = n_ar = n_ar_rep = 0
@@ -284,7 +358,7 @@ def _reduce_traffic(t: _Tree, policy: Policy, shard: int, replicate: int) -> dic
             if (seg or rep) and replicate > 1:
                 n_ar_rep += 1
                 ar_rep += (seg + rep) * dt.itemsize
-    world = shard * replicate
+    world = shard * replicate * tp  # the metrics: over every rank
     metrics = 1 if world > 1 else 0
     sums = _metrics_bytes(sum(t.trainable))
     ar_bytes = ar + ar_rep + metrics * sums

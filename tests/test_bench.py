@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import funshard as fs
 from benchmarks import bench
@@ -64,6 +65,104 @@ def test_plan_matches_measured(pools, spec):
         assert p.comms["all_gather"].count == p.bound["all_gather"].count
         assert p.comms["reduce_scatter"].count == p.bound["reduce_scatter"].count
         assert abs(p.comms["all_gather"].bytes / p.bound["all_gather"].bytes - 1) < 0.1 + raf / 4
+
+
+def _tp_plan():
+    """torch's test Transformer's tensor-parallel plan (sequence parallel), as one dict."""
+    from torch.distributed.tensor.parallel import ColwiseParallel as Col
+    from torch.distributed.tensor.parallel import RowwiseParallel as Row
+    from torch.distributed.tensor.parallel import SequenceParallel as Seq
+
+    return {"tok_embeddings": Row(), "pos_embeddings": Row(), "norm": Seq(), "output": Col(),
+            "layers.*.attention_norm": Seq(), "layers.*.ffn_norm": Seq(),
+            "layers.*.attention.wq": Col(), "layers.*.attention.wk": Col(),
+            "layers.*.attention.wv": Col(), "layers.*.attention.wo": Row(),
+            "layers.*.feed_forward.w1": Col(), "layers.*.feed_forward.w2": Row()}
+
+
+def measured_tp(spec, raf):
+    """:func:`measured` for torch's test Transformer with its tensor-parallel plan (odd
+    sizes: uneven parts on "tp" and uneven rows on "shard")."""
+    from test_tp import _batch
+    from torch.testing._internal.distributed._tensor.common_dtensor import (ModelArgs,
+                                                                            Transformer)
+    m = mesh(spec)
+    torch.manual_seed(0)
+    model = Transformer.parallelize(Transformer(ModelArgs(**TP_ARGS)), m["tp"], True,
+                                    local_output_for_attn=True)
+    step = fs.train_step(lambda p, b: F.cross_entropy(fs.call(model, p, b[0]).flatten(0, 1),
+                                                      b[1].flatten()),
+                         fs.optim.adamw(lr=1e-3), policy=fs.Policy(reshard_after_forward=raf))
+    state = step.init(fs.shard(fs.params(model), m))
+    batch = _batch(0, TP_ARGS["vocab_size"])
+    state, _ = step(state, batch)
+    with CountCollectives() as cc:
+        state, metrics = step(state, batch)
+    local = lambda tree: sum(d._local_tensor.nbytes for d in fs.pytree.leaves(tree)  # noqa
+                                 if torch.is_tensor(d))
+    return dict(counts=dict(cc.counts), bytes=dict(cc.bytes),
+                peak=metrics["unsharded_bytes_peak"], params=local(state.params),
+                optimizer=local(state.opt_state))
+
+
+TP_ARGS = dict(n_layers=2, vocab_size=18, max_seq_len=8, dim=20, n_heads=4, dropout_p=0.0)
+
+
+@pytest.mark.parametrize("spec", ["1x2x2", "2x2x2"])
+def test_plan_matches_measured_with_tensor_parallel(pools, spec):
+    """plan(tp=, tp_dims=) on a (replicate, shard, tp) mesh: funshard's collectives and
+    their bytes, the gathered peak and the state bytes of rank 0 (the largest part and
+    shard) as the training step measures them, both policies; the model's own collectives
+    on "tp" are not funshard's and not counted."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import (ModelArgs,
+                                                                            Transformer)
+    from funshard.plan import tp_dims
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**TP_ARGS))
+    rep = 2 if spec == "2x2x2" else 1
+    for raf in (True, False):
+        p = plan(model, shard=2, replicate=rep, tp=2, tp_dims=tp_dims(model, _tp_plan()),
+                 policy=fs.Policy(reshard_after_forward=raf), **gpt_order(2))
+        results = pools.run(spec, measured_tp, raf)
+        r0 = results[0]
+        assert r0["counts"] == {k: t.count for k, t in p.comms.items()}, (raf, r0, p.comms)
+        for kind, t in p.comms.items():
+            assert abs(r0["bytes"][kind] - t.counted) <= 0.01 * t.counted, (kind, r0, t)
+        assert abs(r0["peak"] - p.memory["unsharded_peak"]) <= 0.01 * r0["peak"], (raf, r0, p)
+        assert r0["params"] == p.memory["params"] == max(r["params"] for r in results)
+        assert r0["optimizer"] == p.memory["optimizer"]
+
+
+def test_plan_of_a_3d_layout_on_1024_ranks():
+    """A 7B GPT on replicate 2 x shard 64 x tp 8 (attention and MLP split as Megatron
+    splits them): each rank holds about 1/512 of the split matrices and 1/64 of the rest;
+    funshard's gathers move this rank's tensor-parallel parts, not the whole parameters."""
+    from torch.distributed.tensor.parallel import ColwiseParallel as Col
+    from torch.distributed.tensor.parallel import RowwiseParallel as Row
+    from funshard.plan import tp_dims
+
+    dims = gpt_dims(7e9)
+    with torch.device("meta"):
+        model = GPT(**dims)
+    split = tp_dims(model, {"layers.*.qkv": Col(), "layers.*.proj": Row(),
+                            "layers.*.fc": Col(), "layers.*.out": Row()})
+    policy = fs.Policy(param_dtype=torch.bfloat16)
+    p = plan(model, shard=64, replicate=2, tp=8, tp_dims=split, policy=policy,
+             **gpt_order(dims["layers"]))
+    flat = plan(model, shard=64, replicate=2, policy=policy, **gpt_order(dims["layers"]))
+    params = dict(model.named_parameters())
+    n_split = sum(params[k].numel() for k in split)
+    want = 4 * (n_split / 8 + (p.numel - n_split)) / 64  # fp32 masters
+    assert abs(p.memory["params"] - want) < 0.01 * want
+    assert p.tp == 8 and p.numel == flat.numel
+    assert p.comms["all_gather"].count == flat.comms["all_gather"].count
+    ratio = p.comms["all_gather"].bytes / flat.comms["all_gather"].bytes
+    assert abs(ratio - (n_split / 8 + p.numel - n_split) / p.numel) < 0.01, ratio
+    with pytest.raises(ValueError, match=r"tp_dims names \['nope.weight'\]"):
+        plan(model, shard=64, tp=8, tp_dims={"nope.weight": 0})
+    with pytest.raises(ValueError, match=r"'layers.\*.nope' names no module"):
+        tp_dims(model, {"layers.*.nope": Col()})
 
 
 def test_simulate_7b_on_1024_ranks(capsys):
