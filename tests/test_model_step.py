@@ -4,12 +4,15 @@ experts on "ep" (alone and with "tp"), and Hugging Face Llama with a tensor-para
 against one process on the whole batch, against FSDP2 + TP, and against the same step on a
 plain data-parallel mesh (its collectives and its gathered-group peak)."""
 
+import types
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import funshard as fs
 from funshard.testing import mesh
@@ -103,6 +106,21 @@ def test_train_step_with_tensor_parallel_trains_as_one_process(pools, spec, sequ
         assert sum(ours.values()) == (_ours(ours, "gather", shard) + _ours(
             ours, "reduce_scatter", shard) + _ours(ours, "allreduce", groups.get("replicate"))
             + ours[("allreduce_", world)]), ours
+
+
+@pytest.mark.parametrize("policy", [{}, {"param_dtype": torch.float64}, {"checkpoint": True},
+                                    {"accumulate": 2}], ids=str)
+def test_train_step_with_tensor_parallel_alone_trains_as_one_process(pools, policy):
+    """One data-parallel rank ("tp" 2 alone): nothing is gathered (the step computes on the
+    shards' own storage, or on a cast of them) and funshard's one collective is the
+    metrics' all-reduce; 3 steps match one process."""
+    want_losses, want = one_process("adamw")
+    for losses, full, ours, _, _, _ in pools.run("1x1x2", stepped, "tp", policy, "adamw",
+                                                 True):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=k)
+        assert ours == {("allreduce_", (0, 1)): 1}, ours
 
 
 @pytest.mark.parametrize("spec,kind", [("1x2x2ep", "ep"), ("2x1x2ep", "ep"),
@@ -239,3 +257,111 @@ def test_a_custom_function_given_a_tensor_parallel_leaf_as_it_is_trains(pools):
     for got in through:
         for k, v in ops.items():
             torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+# -- Hugging Face Mixtral, its experts over "ep" ---------------------------------------------
+
+_RS = (getattr(funcol, "reduce_scatter_single_autograd", None)
+       or funcol.reduce_scatter_tensor_autograd)  # (torch 2.11 has the second only)
+
+
+def _mixtral(ep_mesh=None):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, router_jitter_noise=0.0))
+    if ep_mesh is not None:
+        for layer in model.model.layers:
+            _expert_parallel(layer.mlp.experts, ep_mesh)
+    return model
+
+
+def _expert_parallel(experts, ep_mesh):
+    """Mixtral's experts on ``ep_mesh`` as torch's test ExpertParallel places its own: each
+    rank owns whole experts (``Shard(0)`` of the 3-D weights); the tokens, their expert
+    choices and weights are all-gathered over "ep", each rank applies its experts (Mixtral's
+    own loop; a choice of another rank's expert is its sentinel, skipped), and the outputs
+    are reduce-scattered back to the tokens' ranks."""
+    n, r = ep_mesh.size(), ep_mesh.get_local_rank()
+    local = experts.num_experts // n
+    for name in ("gate_up_proj", "down_proj"):
+        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(
+            getattr(experts, name).data, ep_mesh, [Shard(0)], src_data_rank=None)))
+    pg = ep_mesh.get_group()
+    loop = getattr(type(experts).forward, "__wrapped__", type(experts).forward)
+
+    def forward(h, idx, w):
+        h = funcol.all_gather_tensor_autograd(h, 0, pg)
+        w = funcol.all_gather_tensor_autograd(w, 0, pg)
+        mine = funcol.all_gather_tensor(idx, 0, pg) - r * local
+        mine = torch.where((mine >= 0) & (mine < local), mine, torch.full_like(mine, local))
+        these = types.SimpleNamespace(num_experts=local, act_fn=experts.act_fn,
+                                      gate_up_proj=experts.gate_up_proj.to_local(),
+                                      down_proj=experts.down_proj.to_local())
+        return _RS(loop(these, h, mine, w), "sum", 0, pg)
+    experts.forward = forward
+
+
+def mixtral_trained(spec, optimizer, policy):
+    """3 steps of ``fs.train_step`` on Mixtral (experts on "ep" where the mesh has it), every
+    rank on its own rows; the losses and the weights."""
+    m = mesh(spec)
+    model = _mixtral(m["ep"] if "ep" in m.mesh_dim_names else None)
+    n, r = dist.get_world_size(), dist.get_rank()
+    rows = slice(r * 4 // n, (r + 1) * 4 // n)
+    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
+                         _optimizer(optimizer), policy=fs.Policy(**policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    losses = []
+    for s in range(3):
+        x, y = _batch(s, 64)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(float(metrics["loss"]))
+    return losses, fs.state_dict(state.params, "full")
+
+
+def _mixtral_one_process(optimizer):
+    model = _mixtral()
+    params = {k: torch.nn.Parameter(v.detach().clone()) for k, v in fs.params(model).items()}
+    opt = (torch.optim.AdamW(params.values(), lr=1e-2, foreach=True) if optimizer == "adamw"
+           else torch.optim.SGD(params.values(), lr=0.5, momentum=0.9, foreach=True))
+    losses = []
+    for s in range(3):
+        x, y = _batch(s, 64)
+        loss = _llama_loss(torch.func.functional_call(model, params, (x,)).logits, y)
+        loss.backward()
+        if optimizer == "adamw":
+            torch.nn.utils.clip_grad_norm_(params.values(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("spec", ["1x2x2ep", "2x1x2ep"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_hugging_face_mixtral_with_experts_on_ep_trains_as_one_process(pools, spec, optimizer):
+    """Mixtral, its experts on "ep" (the router, attention and norms replicated there): 3
+    steps of the training step, FULL_SHARD and SHARD_GRAD_OP, match one process on the whole
+    batch."""
+    want_losses, want = _mixtral_one_process(optimizer)
+    for policy in ({}, {"reshard_after_forward": False}):
+        losses, full = pools.run(spec, mixtral_trained, optimizer, policy)[0]
+        assert losses == pytest.approx(want_losses, abs=1e-5), policy
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-5, rtol=0, msg=(policy, k))
+
+
+def test_hugging_face_mixtral_in_bfloat16_trains_on_ep_as_on_data_parallel_ranks(pools):
+    """bfloat16 compute, float32 reduction, SGD (which sees a gradient's scale): experts on
+    "ep" train as the same step on 4 data-parallel ranks without expert parallelism, within
+    bfloat16's rounding of the experts' partial outputs summed over "ep"."""
+    policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    want_losses, want = pools.run(4, mixtral_trained, "sgd", policy)[0]
+    losses, full = pools.run("1x2x2ep", mixtral_trained, "sgd", policy)[0]
+    assert losses == pytest.approx(want_losses, abs=1e-3)
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, atol=5e-3, rtol=0, msg=k)

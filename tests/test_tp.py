@@ -435,6 +435,8 @@ def misuse(spec):
         "layers.0.attention.wq.weight"].full_tensor()})
     out["reshard_plain"] = capture(fs.reshard, plain, sparams)
     out["make_mesh"] = capture(fs.make_mesh, shard=2, tp=3)
+    # a model parallelized on the dimension the mesh calls data-parallel
+    out["on_shard"] = capture(fs.shard, fs.params(_transformer(m["shard"])), m)
     # rank 1 alone keeps one leaf plain (its model parallelized otherwise)
     odd = dict(fs.params(model))
     if dist.get_rank() == 1:
@@ -459,6 +461,9 @@ def test_what_funshard_cannot_do_with_tensor_parallel_leaves_is_refused_by_name(
     assert "DeviceMesh('tp': 2" in msg, msg
     kind, msg = out["make_mesh"]
     assert kind == "ValueError" and "tp=3" in msg, out["make_mesh"]
+    kind, msg = out["on_shard"]
+    assert kind == "TypeError" and "'tok_embeddings.weight'" in msg, out["on_shard"]
+    assert "DeviceMesh('shard': 2" in msg and "DeviceMesh('tp': 2" in msg, msg
     kind, msg = out["differs"]
     assert kind == "ValueError" and "'layers.0.attention.wq.weight'" in msg, out["differs"]
     assert "rank 1" in msg and "plain" in msg and "Shard(dim=0)" in msg, msg
