@@ -53,17 +53,14 @@ def reduce_grads(local_grads, like, *, op: str = "mean", reduce_dtype: torch.dty
                 "full-shape per-rank gradients (not local shards)."
             )
     gl = [g.detach() if g is not None else None for g in gl]  # not differentiable
-    kinds: dict[tuple, list[int]] = {}  # by the model's dimensions averaged over too ("ep")
-    for k, g in enumerate(gl):
-        if g is not None:
-            kinds.setdefault(spread_of(likes[k]), []).append(k)
+    present = [k for k, g in enumerate(gl) if g is not None]
     out = [None] * len(gl)
-    for spread, present in kinds.items():
-        got = collectives.reduce_scatter(
-            [layouts[k] for k in present], [gl[k] for k in present], mesh,
-            reduce_dtype=reduce_dtype, op=op, transport=transport, spread=spread)
-        for k, g in zip(present, got):
-            out[k] = as_dtensor(g, likes[k])
+    got = collectives.reduce_scatter(  # "ep": the model's dimensions averaged over too
+        [layouts[k] for k in present], [gl[k] for k in present], mesh,
+        reduce_dtype=reduce_dtype, op=op, transport=transport,
+        spreads=[spread_of(likes[k]) for k in present])
+    for k, g in zip(present, got):
+        out[k] = as_dtensor(g, likes[k])
     return pytree.unflatten(spec, out)
 
 

@@ -234,23 +234,10 @@ def unshard(
               else [d.to_local() for d in leaves])
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")
-    full: list = [None] * len(leaves)
-    for spread, idx in _by_spread(leaves).items():  # one gather per kind ("ep": experts apart)
-        got = unshard_leaves([layouts[i] for i in idx], [shards[i] for i in idx], mesh,
-                             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                             transport=transport, spread=spread)
-        for i, f in zip(idx, got):
-            full[i] = as_model(f, layouts[i])
-    return pytree.unflatten(spec, full)
-
-
-def _by_spread(leaves: Sequence[DTensor]) -> dict[tuple, list[int]]:
-    """Leaf indices by the model's dimensions their gradients are averaged over too
-    (:func:`funshard.layout.spread_of`), in order of first appearance."""
-    out: dict[tuple, list[int]] = {}
-    for i, d in enumerate(leaves):
-        out.setdefault(spread_of(d), []).append(i)
-    return out
+    got = unshard_leaves(layouts, shards, mesh, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, transport=transport,
+                         spreads=[spread_of(d) for d in leaves])
+    return pytree.unflatten(spec, [as_model(f, lay) for f, lay in zip(got, layouts)])
 
 
 def reshard(full: Any, like: Any) -> Any:
@@ -330,7 +317,8 @@ class _Unshard(torch.autograd.Function):
         if need:
             got = collectives.reduce_scatter(
                 [ctx.layouts[k] for k in need], [grads[k] for k in need], ctx.where[0],
-                reduce_dtype=ctx.reduce_dtype, transport=ctx.transport, spread=ctx.where[1],
+                reduce_dtype=ctx.reduce_dtype, transport=ctx.transport,
+                spreads=[ctx.where[1][k] for k in need],
             )
             for k, g in zip(need, got):
                 res[k] = g
@@ -345,10 +333,11 @@ def unshard_leaves(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     transport: str = "c10d",
-    spread: tuple[str, ...] = (),
+    spreads: Sequence[tuple[str, ...]] | None = None,
 ) -> list[torch.Tensor]:
-    """Differentiable bucketed gather of local shards (autograd sees one node); ``spread``:
-    the model's dimensions the gradients are averaged over too (``"ep"``)."""
+    """Differentiable bucketed gather of local shards (autograd sees one node); ``spreads``:
+    per leaf, the model's dimensions its gradient is averaged over too (``"ep"``)."""
     dtypes = [compute_dtype(s.dtype, param_dtype) for s in shards]
-    return list(_Unshard.apply(tuple(layouts), (mesh, spread), tuple(dtypes), reduce_dtype,
+    spreads = tuple(spreads) if spreads is not None else ((),) * len(layouts)
+    return list(_Unshard.apply(tuple(layouts), (mesh, spreads), tuple(dtypes), reduce_dtype,
                                transport, *shards))

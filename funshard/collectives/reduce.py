@@ -33,7 +33,7 @@ def reduce_scatter(
     copy: bool = True,
     async_op: bool = False,
     transport: str = "c10d",
-    spread: tuple[str, ...] = (),
+    spreads: Sequence[tuple[str, ...]] | None = None,
 ) -> list[torch.Tensor | None] | Reducing:
     """Full per-rank gradients -> local shards of their mean (or sum) over all mesh ranks.
 
@@ -55,8 +55,9 @@ def reduce_scatter(
             ``wait()`` finishes it (and the "replicate" all-reduce of a 2-D mesh).
         transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"`` (see
             :mod:`funshard.collectives.base`).
-        spread: the model's own mesh dimensions whose ranks computed on other rows (``"ep"``)
-            and hold the same leaves: the results are all-reduced over them too.
+        spreads: per gradient, the model's own mesh dimensions whose ranks computed on
+            other rows (``"ep"``) and hold the same leaf: its result is all-reduced over them
+            too (one such spread, or none, per call); default: none.
     Returns:
         local gradient shards (``layout.local_shape``), ``layouts`` order.
     """
@@ -64,7 +65,7 @@ def reduce_scatter(
               for lay, g in zip(layouts, grads)]
     device = next((g.device for g in grads if g is not None), None)
     bucket = GradBucket(layouts, mesh, dtypes, op=op, alias=not copy, transport=transport,
-                        device=device, spread=spread)
+                        device=device, spreads=spreads)
     for k, g in enumerate(grads):
         if g is not None:
             bucket.put(k, g)
@@ -100,22 +101,20 @@ class GradBucket:
         transport: ``"c10d"`` (default), ``"p2p"`` or ``"cma"``.
         device: where the buffers and results live: the gradients' device (default: this
             rank's device of the mesh).
-        spread: as :func:`reduce_scatter`'s, for every leaf; ``spreads``: one per leaf
-            (experts and the rest in one bucket): the leaves with one come first in each
-            reduction, whose result's prefix is then all-reduced over it (one spread, or
-            none, per bucket).
+        spreads: as :func:`reduce_scatter`'s (experts and the rest in one bucket): the
+            leaves with a spread come first in each reduction, whose result's prefix is then
+            all-reduced over it.
     """
 
     def __init__(self, layouts: Sequence[Layout], mesh: DeviceMesh,
                  dtypes: Sequence[torch.dtype], *, op: str = "mean", alias: bool = False,
                  borrow: bool = False, transport: str = "c10d",
-                 device: torch.device | None = None, spread: tuple[str, ...] = (),
+                 device: torch.device | None = None,
                  spreads: Sequence[tuple[str, ...]] | None = None):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         self.layouts, self.mesh, self.dtypes = list(layouts), mesh, list(dtypes)
-        # per leaf (one reduction per reduce dtype and spread)
-        self.spreads = list(spreads) if spreads is not None else [spread] * len(self.layouts)
+        self.spreads = list(spreads) if spreads is not None else [()] * len(self.layouts)
         self.device = device if device is not None else mesh_device(mesh)
         self.world = data_size(mesh)  # the model's own dimensions hold other parts
         self.divide = self.world if op == "mean" else 1
