@@ -73,6 +73,10 @@ class Plan:
         return not same_tensors or all(where.get(key) is t for where, key, t, _ in self.held)
 
 
+# Never traced: after a graph break in a compiled loss_fn dynamo would compile this frame on
+# its own, iterating the weak mapping while the garbage collector may remove from it
+# ("dictionary changed size during iteration", seen in a compiled test's first step).
+@torch.compiler.disable
 def plan_for(module: torch.nn.Module, names: tuple, over: bool = False) -> Plan:
     plans = _PLANS.setdefault(module, {})
     plan = plans.get((names, over))
@@ -81,6 +85,7 @@ def plan_for(module: torch.nn.Module, names: tuple, over: bool = False) -> Plan:
     return plan
 
 
+@torch.compiler.disable  # (as plan_for)
 def own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The module's own parameters and buffers by name, as its plans found them (while an
     installation is in place the module holds the installed tensors)."""
