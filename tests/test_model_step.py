@@ -25,6 +25,7 @@ POLICIES = {
     "shard_grad_op": {"reshard_after_forward": False},
     "checkpoint": {"checkpoint": True},
     "accumulate": {"accumulate": 2},
+    "compiled_blocks": {"compile_blocks": True},  # torch.compile per block, as torchtitan
 }
 
 
@@ -45,11 +46,16 @@ def stepped(spec, kind, policy, optimizer, sequence_parallel=False):
     the losses (the step's mean over ranks), the trained weights, and the second step's
     collectives (funshard's, by kind and group ranks; the model's, by group ranks) and
     gathered-group peak. ``kind``: "tp" (test Transformer, its TP plan), "ep" (its MoE,
-    experts on "ep"), "ep+tp", or "plain" (the unparallelized Transformer on a 1-D mesh)."""
+    experts on "ep"), "ep+tp", or "plain" (the unparallelized Transformer on a 1-D mesh);
+    ``policy["compile_blocks"]``: each block torch.compile-d."""
     m = mesh(spec)
+    policy = dict(policy)
+    compiled = policy.pop("compile_blocks", False)
     model = {"tp": lambda: _transformer(m["tp"], sequence_parallel),
              "ep": lambda: _moe(m["ep"]), "ep+tp": lambda: _moe(m["ep"], m["tp"]),
              "plain": _transformer}[kind]()
+    for block in model.layers if compiled else ():
+        block.compile()
     tp = m.size(m.ndim - 1) if "tp" in m.mesh_dim_names else 1
     n, r = dist.get_world_size() // tp, dist.get_rank() // tp
     rows = slice(r * 4 // n, (r + 1) * 4 // n)

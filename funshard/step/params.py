@@ -87,7 +87,8 @@ class ParamGroups:
             raise NotImplementedError(
                 f"{what}(compile=True): the mesh {mesh_str(self.mesh)} has the model's own "
                 "dimensions, whose DTensors the compiled step does not trace; use the eager "
-                "step (compile=False), or compile the model's forward with torch.compile.")
+                "step (compile=False), with the model's blocks compiled (block.compile(), as "
+                "torchtitan compiles them).")
 
     def on_device(self, key: Any, dtype: torch.dtype, values: Callable[[], list]) -> torch.Tensor:
         """A constant tensor of the step (``values()``, on this rank's device), made the first
