@@ -371,3 +371,43 @@ def test_hugging_face_mixtral_in_bfloat16_trains_on_ep_as_on_data_parallel_ranks
     assert losses == pytest.approx(want_losses, abs=1e-3)
     for k, v in want.items():
         torch.testing.assert_close(full[k], v, atol=5e-3, rtol=0, msg=k)
+
+
+def llama_checkpointed(spec, mode, policy):
+    """2 SGD steps of Llama with its tensor-parallel plan and (``mode``) Hugging Face's own
+    activation checkpointing, non-reentrant or reentrant; the losses, the weights, and how
+    often the first decoder layer's attention ran (twice a step when recomputed)."""
+    m = mesh(spec)
+    model = _llama(m["tp"])
+    if mode is not None:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    model.train()
+    runs = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: runs.append(1))
+    dp = dist.get_rank() // m.size(m.ndim - 1)
+    rows = slice(dp * 4 // fs.mesh.data_size(m), (dp + 1) * 4 // fs.mesh.data_size(m))
+    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
+                         fs.optim.sgd(0.5), policy=fs.Policy(**policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    losses = []
+    for s in range(2):
+        x, y = _batch(s, 64)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(float(metrics["loss"]))
+    return losses, fs.state_dict(state.params, "full"), len(runs)
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_the_models_own_checkpointing_on_a_tensor_parallel_mesh(pools, mode):
+    """Hugging Face's gradient_checkpointing_enable() on Llama with its TP plan: the
+    recompute runs (the attention twice a step) on the step's gathered DTensors, and the
+    weights are those of the same steps without it, FULL_SHARD and SHARD_GRAD_OP."""
+    want_losses, want, runs = pools.run("1x2x2", llama_checkpointed, None, {})[0]
+    assert runs == 2
+    for policy in ({}, {"reshard_after_forward": False}):
+        losses, full, runs = pools.run("1x2x2", llama_checkpointed, mode, policy)[0]
+        assert runs == 4, runs
+        assert losses == pytest.approx(want_losses, abs=1e-6)
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, atol=1e-6, rtol=0, msg=(policy, k))
