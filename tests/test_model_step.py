@@ -411,3 +411,37 @@ def test_the_models_own_checkpointing_on_a_tensor_parallel_mesh(pools, mode):
         assert losses == pytest.approx(want_losses, abs=1e-6)
         for k, v in want.items():
             torch.testing.assert_close(full[k], v, atol=1e-6, rtol=0, msg=(policy, k))
+
+
+def resumed(spec, path, phase):
+    """4 AdamW steps of the test Transformer (tensor parallel where the mesh has "tp"), or
+    the first 2 then ``fs.checkpoint.save`` of the whole TrainState, or ``load`` then the
+    last 2; the weights."""
+    m = mesh(spec)
+    tp = m.size(m.ndim - 1) if "tp" in m.mesh_dim_names else 1
+    model = _transformer(m["tp"], True) if tp > 1 else _transformer()
+    n, r = dist.get_world_size() // tp, dist.get_rank() // tp
+    rows = slice(r * 4 // n, (r + 1) * 4 // n)
+    step = fs.train_step(_step_loss(model), fs.optim.adamw(1e-2))
+    state = step.init(fs.shard(fs.params(model), m))
+    if phase == "resume":
+        state = fs.checkpoint.load(path, like=state)
+    for s in {"all": range(4), "save": range(2), "resume": range(2, 4)}[phase]:
+        x, y = _batch(s)
+        state, _ = step(state, (x[rows], y[rows]))
+    if phase == "save":
+        fs.checkpoint.save(path, state)
+    return fs.state_dict(state.params, "full")
+
+
+def test_a_train_state_saved_on_tensor_parallel_resumes_on_other_layouts(pools, tmp_path):
+    """The whole TrainState (weights, AdamW's moments and counts) saved after 2 steps on
+    data-parallel 2 x tensor-parallel 2 resumes there, on data-parallel 4 and on
+    tensor-parallel 2 alone: 2 more steps reach the weights of 4 uninterrupted ones."""
+    want = pools.run("1x2x2", resumed, None, "all")[0]
+    path = str(tmp_path / "ck")
+    pools.run("1x2x2", resumed, path, "save")
+    for spec in ("1x2x2", 4, "1x1x2"):
+        got = pools.run(spec, resumed, path, "resume")[0]
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=(spec, k))
