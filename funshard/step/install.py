@@ -73,10 +73,6 @@ class Plan:
         return not same_tensors or all(where.get(key) is t for where, key, t, _ in self.held)
 
 
-# Never traced: after a graph break in a compiled loss_fn dynamo would compile this frame on
-# its own, iterating the weak mapping while the garbage collector may remove from it
-# ("dictionary changed size during iteration", seen in a compiled test's first step).
-@torch.compiler.disable
 def plan_for(module: torch.nn.Module, names: tuple, over: bool = False) -> Plan:
     plans = _PLANS.setdefault(module, {})
     plan = plans.get((names, over))
@@ -85,12 +81,20 @@ def plan_for(module: torch.nn.Module, names: tuple, over: bool = False) -> Plan:
     return plan
 
 
-@torch.compiler.disable  # (as plan_for)
 def own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The module's own parameters and buffers by name, as its plans found them (while an
     installation is in place the module holds the installed tensors)."""
     return [(full, t) for plan in _PLANS.get(module, {}).values()
             for _, _, t, full in plan.held]
+
+
+# Never traced: after a graph break in a compiled loss_fn dynamo would compile these frames
+# on their own, iterating the weak mapping while the garbage collector may remove from it
+# ("dictionary changed size during iteration", seen in a compiled test's first step).
+# Skipped by code object (as the saved-tensor hooks are): no wrapper, no cost per call.
+if _compat.skip_code is not None:
+    for _fn in (plan_for, own_tensors):
+        _compat.skip_code(_fn.__code__)
 
 
 def install(module: torch.nn.Module, tensors: dict, over: bool = False):
