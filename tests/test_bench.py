@@ -32,6 +32,12 @@ def measured(spec, raf):
     state = step.init(fs.shard(fs.params(model), m))
     g = torch.Generator().manual_seed(dist.get_rank())
     batch = tuple(torch.randint(0, DIMS["vocab"], (2, DIMS["seq"]), generator=g) for _ in "xy")
+    return _second_step(step, state, batch)
+
+
+def _second_step(step, state, batch):
+    """One step to learn the order, then the second, counted: collectives, unsharded peak,
+    this rank's state bytes."""
     state, _ = step(state, batch)
     with CountCollectives() as cc:
         state, metrics = step(state, batch)
@@ -40,6 +46,18 @@ def measured(spec, raf):
     return dict(counts=dict(cc.counts), bytes=dict(cc.bytes),
                 peak=metrics["unsharded_bytes_peak"], params=local(state.params),
                 optimizer=local(state.opt_state))
+
+
+def _check_plan(p, results, raf):
+    """The plan's counts, counted bytes, peak and state bytes are rank 0's measured ones
+    (rank 0 holds the largest shard)."""
+    r0 = results[0]
+    assert r0["counts"] == {k: t.count for k, t in p.comms.items()}, (raf, r0, p.comms)
+    for kind, t in p.comms.items():
+        assert abs(r0["bytes"][kind] - t.counted) <= 0.01 * t.counted, (kind, r0, t)
+    assert abs(r0["peak"] - p.memory["unsharded_peak"]) <= 0.01 * r0["peak"], (raf, r0, p)
+    assert r0["params"] == p.memory["params"] == max(r["params"] for r in results)
+    assert r0["optimizer"] == p.memory["optimizer"]
 
 
 @pytest.mark.parametrize("spec", [2, 3, 4, "2x2"], ids=str)
@@ -51,14 +69,7 @@ def test_plan_matches_measured(pools, spec):
     for raf in (True, False):
         p = plan(model, shard=sh, replicate=rep, policy=fs.Policy(reshard_after_forward=raf),
                  **gpt_order(DIMS["layers"]))
-        results = pools.run(spec, measured, raf)
-        r0 = results[0]  # rank 0 holds ceil(rows / shard) rows: the largest shard
-        assert r0["counts"] == {k: t.count for k, t in p.comms.items()}, (raf, r0, p.comms)
-        for kind, t in p.comms.items():
-            assert abs(r0["bytes"][kind] - t.counted) <= 0.01 * t.counted, (kind, r0, t)
-        assert abs(r0["peak"] - p.memory["unsharded_peak"]) <= 0.01 * r0["peak"], (raf, r0, p)
-        assert r0["params"] == p.memory["params"] == max(r["params"] for r in results)
-        assert r0["optimizer"] == p.memory["optimizer"]
+        _check_plan(p, pools.run(spec, measured, raf), raf)
         assert p.bound["reduce_scatter"].count == DIMS["layers"] + 1
         # funshard's own traffic meets the bound: 2 (1) gathers + 1 reduction per group (the
         # FULL_SHARD block kept from forward into backward gathers part of itself again)
@@ -93,16 +104,8 @@ def measured_tp(spec, raf):
     step = fs.train_step(lambda p, b: F.cross_entropy(fs.call(model, p, b[0]).flatten(0, 1),
                                                       b[1].flatten()),
                          fs.optim.adamw(lr=1e-3), policy=fs.Policy(reshard_after_forward=raf))
-    state = step.init(fs.shard(fs.params(model), m))
-    batch = _batch(0, TP_ARGS["vocab_size"])
-    state, _ = step(state, batch)
-    with CountCollectives() as cc:
-        state, metrics = step(state, batch)
-    local = lambda tree: sum(d._local_tensor.nbytes for d in fs.pytree.leaves(tree)  # noqa
-                                 if torch.is_tensor(d))
-    return dict(counts=dict(cc.counts), bytes=dict(cc.bytes),
-                peak=metrics["unsharded_bytes_peak"], params=local(state.params),
-                optimizer=local(state.opt_state))
+    return _second_step(step, step.init(fs.shard(fs.params(model), m)),
+                        _batch(0, TP_ARGS["vocab_size"]))
 
 
 TP_ARGS = dict(n_layers=2, vocab_size=18, max_seq_len=8, dim=20, n_heads=4, dropout_p=0.0)
@@ -124,14 +127,7 @@ def test_plan_matches_measured_with_tensor_parallel(pools, spec):
     for raf in (True, False):
         p = plan(model, shard=2, replicate=rep, tp=2, tp_dims=tp_dims(model, _tp_plan()),
                  policy=fs.Policy(reshard_after_forward=raf), **gpt_order(2))
-        results = pools.run(spec, measured_tp, raf)
-        r0 = results[0]
-        assert r0["counts"] == {k: t.count for k, t in p.comms.items()}, (raf, r0, p.comms)
-        for kind, t in p.comms.items():
-            assert abs(r0["bytes"][kind] - t.counted) <= 0.01 * t.counted, (kind, r0, t)
-        assert abs(r0["peak"] - p.memory["unsharded_peak"]) <= 0.01 * r0["peak"], (raf, r0, p)
-        assert r0["params"] == p.memory["params"] == max(r["params"] for r in results)
-        assert r0["optimizer"] == p.memory["optimizer"]
+        _check_plan(p, pools.run(spec, measured_tp, raf), raf)
 
 
 def test_plan_of_a_3d_layout_on_1024_ranks():

@@ -18,7 +18,7 @@ import funshard as fs
 from funshard.testing import mesh
 from test_ep import _moe
 from test_tp import (_batch, _Collectives, _group_ranks, _llama, _llama_loss, _transformer,
-                     one_process)
+                     fsdp2_llama, one_process)
 
 POLICIES = {
     "full_shard": {},
@@ -151,44 +151,36 @@ def test_train_step_with_experts_on_ep_trains_as_one_process(pools, spec, kind, 
             assert _ours(ours, "allreduce", groups["replicate"]) == n_groups, ours
 
 
+def _llama_like_steps(m, model, rows, optimizer, policy, steps=3):
+    """``steps`` of ``fs.train_step`` on a causal LM (Llama, Mixtral: ``.logits``) on ``rows``
+    of each batch; the losses (the step's mean over ranks) and the weights."""
+    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
+                         optimizer, policy=fs.Policy(**policy))
+    state = step.init(fs.shard(fs.params(model), m))
+    losses = []
+    for s in range(steps):
+        x, y = _batch(s, 64)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(float(metrics["loss"]))
+    return losses, fs.state_dict(state.params, "full")
+
+
 def llama_stepped(spec, how):
     """3 AdamW steps of Llama (bfloat16 compute, float32 reduction) on this data-parallel
     rank's rows: ``fs.train_step``, or (``how="fsdp2"``) torch's fully_shard per decoder
     layer and the root on "shard". The mean loss over ranks per step and the weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     m = mesh(spec)
     model = _llama(m["tp"])
     ndp = fs.mesh.data_size(m)
     dp = dist.get_rank() // m.size(m.ndim - 1)
     rows = slice(dp * 4 // ndp, (dp + 1) * 4 // ndp)
-    losses = []
     if how == "fsdp2":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=m["shard"], mp_policy=mp)
-        fully_shard(model, mesh=m["shard"], mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        for s in range(3):
-            x, y = _batch(s, 64)
-            loss = _llama_loss(model(x[rows]).logits, y[rows])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / dist.get_world_size())
-        return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
-    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
-                         fs.optim.adamw(1e-2),
-                         policy=fs.Policy(param_dtype=torch.bfloat16,
-                                          reduce_dtype=torch.float32))
-    state = step.init(fs.shard(fs.params(model), m))
-    for s in range(3):
-        x, y = _batch(s, 64)
-        state, metrics = step(state, (x[rows], y[rows]))
-        losses.append(float(metrics["loss"]))
-    return losses, fs.state_dict(state.params, "full")
+        losses, weights = fsdp2_llama(m, model, rows, torch.bfloat16, torch.float32)
+        mean = torch.tensor(losses)  # each rank's, summed over the ranks
+        dist.all_reduce(mean)
+        return [v / dist.get_world_size() for v in mean.tolist()], weights
+    return _llama_like_steps(m, model, rows, fs.optim.adamw(1e-2),
+                             {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
 
 
 def test_hugging_face_llama_tensor_parallel_train_step_trains_as_fsdp2_with_tp(pools):
@@ -318,15 +310,7 @@ def mixtral_trained(spec, optimizer, policy):
     model = _mixtral(m["ep"] if "ep" in m.mesh_dim_names else None)
     n, r = dist.get_world_size(), dist.get_rank()
     rows = slice(r * 4 // n, (r + 1) * 4 // n)
-    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
-                         _optimizer(optimizer), policy=fs.Policy(**policy))
-    state = step.init(fs.shard(fs.params(model), m))
-    losses = []
-    for s in range(3):
-        x, y = _batch(s, 64)
-        state, metrics = step(state, (x[rows], y[rows]))
-        losses.append(float(metrics["loss"]))
-    return losses, fs.state_dict(state.params, "full")
+    return _llama_like_steps(m, model, rows, _optimizer(optimizer), policy)
 
 
 def _mixtral_one_process(optimizer):
@@ -387,15 +371,8 @@ def llama_checkpointed(spec, mode, policy):
     model.model.layers[0].self_attn.register_forward_hook(lambda *a: runs.append(1))
     dp = dist.get_rank() // m.size(m.ndim - 1)
     rows = slice(dp * 4 // fs.mesh.data_size(m), (dp + 1) * 4 // fs.mesh.data_size(m))
-    step = fs.train_step(lambda p, b: _llama_loss(fs.call(model, p, b[0]).logits, b[1]),
-                         fs.optim.sgd(0.5), policy=fs.Policy(**policy))
-    state = step.init(fs.shard(fs.params(model), m))
-    losses = []
-    for s in range(2):
-        x, y = _batch(s, 64)
-        state, metrics = step(state, (x[rows], y[rows]))
-        losses.append(float(metrics["loss"]))
-    return losses, fs.state_dict(state.params, "full"), len(runs)
+    losses, weights = _llama_like_steps(m, model, rows, fs.optim.sgd(0.5), policy, steps=2)
+    return losses, weights, len(runs)
 
 
 @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])

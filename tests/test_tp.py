@@ -305,12 +305,31 @@ def _llama_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def fsdp2_llama(m, model, rows, param_dtype, reduce_dtype):
+    """3 AdamW steps of ``model`` (Llama) with torch's fully_shard per decoder layer and the
+    root on "shard" of ``m``, on ``rows`` of each batch: this rank's losses, the weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=m["shard"], mp_policy=mp)
+    fully_shard(model, mesh=m["shard"], mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for step in range(3):
+        x, y = _batch(step, 64)
+        loss = _llama_loss(model(x[rows]).logits, y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
+
+
 def llama_trains(spec, bf16, fsdp2):
     """3 AdamW steps of Llama on this data-parallel rank's rows: funshard (unshard, or
     ``fsdp2``: torch's fully_shard per decoder layer and the root on "shard"), with
     ``bf16``: bfloat16 compute, float32 reduction. Per-rank losses and the trained weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     m = mesh(spec)
     model = _llama(m["tp"])
     ndp = fs.mesh.data_size(m)
@@ -319,19 +338,7 @@ def llama_trains(spec, bf16, fsdp2):
     dt = (torch.bfloat16, torch.float32) if bf16 else (None, None)
     losses = []
     if fsdp2:
-        mp = MixedPrecisionPolicy(param_dtype=dt[0], reduce_dtype=dt[1])
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=m["shard"], mp_policy=mp)
-        fully_shard(model, mesh=m["shard"], mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        for step in range(3):
-            x, y = _batch(step, 64)
-            loss = _llama_loss(model(x[rows]).logits, y[rows])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
+        return fsdp2_llama(m, model, rows, *dt)
     params = {k: v.detach().requires_grad_() for k, v in fs.shard(fs.params(model), m).items()}
     opt = fs.optim.adamw(1e-2)
     state = opt.init(params)
