@@ -347,7 +347,8 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     verdict = Verdict(_reader(params, out.order, out.count is not None, present, host,
                               state.step, empty_batch(batch), skip,
                               None if ls is None else "dynamic" if dynamic else ls.scale),
-                      vec, prior, tuple(counted) if skip or dynamic else (), state, program)
+                      vec, prior, _in_optim_order(params, counted) if skip or dynamic else (),
+                      state, program)
     new_params, opt_state = program(optimizer, pytree.unflatten(params.spec, grads),
                                     state.opt_state, state.params,
                                     step=state.step - state.skipped, norm=None,
@@ -356,6 +357,12 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                           buffers=None, loss_scale=scaling.after(policy, ls, True)
                           ), Metrics(host, verdict, dev[1] > 0)  # (as if finite: corrected)
+
+
+def _in_optim_order(params: ParamGroups, leaves: list) -> tuple:
+    """The positions of ``leaves`` (the step's order) in the optimizer's, where the counts
+    are that a verdict corrects."""
+    return tuple(params.optim_pos[i] for i in leaves)
 
 
 def _doubt(t, state, prior: Verdict | None, eager: bool) -> tuple | None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .. import pytree
 from ..layout import describe, spread_of
 from ..mesh import data_size, mesh_device, mesh_str
+from ..optim.base import flatten as optim_flatten
 from ..reduce import norm_weights
 from .buffers import STATS
 from .direct import Leaves
@@ -75,6 +76,12 @@ class ParamGroups:
         self.linted = False  # a step's loss was seen to reach only these parameters
         self._consts: dict = {}  # see on_device
         self.leaves = Leaves()  # the direct path's (see .direct)
+        # each leaf's position in fs.optim's order (optree's: a dict's keys sorted), where
+        # an update's counts are; the step's own order is the tree's (a dict's as inserted)
+        order = optim_flatten(pytree.unflatten(spec, list(range(len(leaves)))))[1]
+        self.optim_pos = [0] * len(leaves)
+        for k, i in enumerate(order):
+            self.optim_pos[i] = k
         if mesh.size() != dist.get_world_size():
             raise ValueError(
                 f"train_step: the mesh {mesh_str(mesh)} has {mesh.size()} ranks but "
