@@ -49,7 +49,6 @@ it read first, since that step's device state never saw it.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -60,8 +59,7 @@ from ..optim import traced as traced_
 from . import batches, donation, scaling
 from .metrics import Metrics
 from .params import ParamGroups
-from .update import (HEAD, Grads, check_trained, count_error, empty_batch, loss_error,
-                     nonfinite_error, norm_of, owned, read_head, sums_head)
+from .update import HEAD, Grads, check_trained, empty_batch, owned, reader, sums_head
 
 
 def usable(program, optimizer) -> bool:
@@ -267,39 +265,6 @@ def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program
     return factor, dev, commit
 
 
-def _reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
-            step: int, note: str, skip: bool, scale) -> Callable[[list], tuple]:
-    """How the host reads the sums: a reading step's checks, then the metrics, and whether a
-    dynamic scale moved otherwise than the host took it to (``skip``: a non-finite step
-    reads as skipped; under a dynamic scale an overflow too; ``scale``: the loss scale, a
-    number, ``"dynamic"`` (the one the step used, last in the sums) or None). (It holds no
-    tensor of the step: the gradients are freed as a reading step frees them.)"""
-    dynamic = scale == "dynamic"
-
-    def read(vals: list) -> tuple:
-        loss, sq, count, _ = read_head(params, order, vals)
-        per = vals[HEAD:HEAD + len(present)]
-        norm = norm_of(sq)
-        metrics = {**host, "loss": loss, "grad_norm": norm}
-        if mean:
-            metrics["count"] = count
-        if scale is not None:  # (a power of two, summed over ranks: exact)
-            metrics["loss_scale"] = vals[-1] / params.world if dynamic else scale
-        grads_ok, loss_ok = math.isfinite(norm), math.isfinite(loss)
-        if grads_ok and loss_ok:
-            return metrics, False
-        if skip or (dynamic and not grads_ok and loss_ok and metrics["loss_scale"] > 1.0):
-            return {**metrics, "skipped": 1}, dynamic and not grads_ok
-        if mean and not count > 0:
-            raise count_error(count, step)
-        if not math.isfinite(norm):
-            raise nonfinite_error(params, [present[j] for j, v in enumerate(per)
-                                           if not math.isfinite(v)], step, note)
-        raise loss_error(loss, step, note)
-
-    return read
-
-
 def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
            program, prior: Verdict | None) -> tuple[Any, Metrics]:
     """The metrics' sums all-reduced, ``(clip factor, ok)`` worked out from them on the
@@ -344,7 +309,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
         host["loss_scale"] = None
     if any(a is not None for a in out.aux):
         host["aux"] = out.aux[0] if policy.accumulate == 1 else out.aux
-    verdict = Verdict(_reader(params, out.order, out.count is not None, present, host,
+    verdict = Verdict(reader(params, out.order, out.count is not None, present, host,
                               state.step, empty_batch(batch), skip,
                               None if ls is None else "dynamic" if dynamic else ls.scale),
                       vec, prior, _in_optim_order(params, counted) if skip or dynamic else (),

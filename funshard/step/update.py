@@ -13,7 +13,7 @@ shards in place.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -265,3 +265,37 @@ def loss_error(loss: float, step: int, note: str) -> FloatingPointError:
         f"{step}{note}. The parameters and optimizer state are "
         "unchanged. An empty local batch on any rank gives a NaN loss; otherwise check "
         "the data, or pass fs.Policy(skip_nonfinite=True) to skip such steps.")
+
+
+def reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
+           step: int, note: str, skip: bool, scale) -> Callable[[list], tuple]:
+    """How the host reads the sums of a step that read nothing (:mod:`funshard.step.deferred`):
+    a reading step's checks, then the metrics, and whether a dynamic scale moved otherwise
+    than the host took it to (``skip``: a non-finite step reads as skipped; under a dynamic
+    scale an overflow too; ``scale``: the loss scale, a number, ``"dynamic"`` (the one the
+    step used, last in the sums) or None). (It holds no tensor of the step: the gradients
+    are freed as a reading step frees them.)"""
+    dynamic = scale == "dynamic"
+
+    def read(vals: list) -> tuple:
+        loss, sq, count, _ = read_head(params, order, vals)
+        per = vals[HEAD:HEAD + len(present)]
+        norm = norm_of(sq)
+        metrics = {**host, "loss": loss, "grad_norm": norm}
+        if mean:
+            metrics["count"] = count
+        if scale is not None:  # (a power of two, summed over ranks: exact)
+            metrics["loss_scale"] = vals[-1] / params.world if dynamic else scale
+        grads_ok, loss_ok = math.isfinite(norm), math.isfinite(loss)
+        if grads_ok and loss_ok:
+            return metrics, False
+        if skip or (dynamic and not grads_ok and loss_ok and metrics["loss_scale"] > 1.0):
+            return {**metrics, "skipped": 1}, dynamic and not grads_ok
+        if mean and not count > 0:
+            raise count_error(count, step)
+        if not math.isfinite(norm):
+            raise nonfinite_error(params, [present[j] for j, v in enumerate(per)
+                                           if not math.isfinite(v)], step, note)
+        raise loss_error(loss, step, note)
+
+    return read
