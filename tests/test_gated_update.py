@@ -117,3 +117,48 @@ def test_a_gradient_two_leaves_share_is_their_own_before_the_update():
     assert out.grads[0] is g and out.grads[2] is not g and out.grads[3] is h
     torch._foreach_mul_([x for x in out.grads if x is not None], 0.5)
     assert all(torch.equal(x, torch.full((3,), 0.5)) for x in (out.grads[0], out.grads[2]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), shapes=shapes,
+       clip=st.sampled_from([None, 0.3]), steps=st.integers(1, 3),
+       data=st.data(), seed=st.integers(0, 2**16))
+def test_leaves_gated_each_on_their_own_flag_update_as_the_chain_without_the_others(
+        name, shapes, clip, steps, data, seed):
+    """The eager step's update with leaves in doubt (no rank of this one's loss reached
+    them; [Note: a leaf in doubt] in funshard.step.update_program): a leaf whose flag says
+    some rank reached it is updated as the chain updates it, bit for bit; a leaf no rank
+    reached keeps every tensor, as the chain given no gradient for it."""
+    from funshard.step.update_program import _parts
+
+    opt = with_policy(OPTIMIZERS[name](), clip_norm=clip, skip_nonfinite=False)
+    chain_p, gated_p = _tree(shapes, seed), _tree(shapes, seed)
+    chain_s, gated_s = opt.init(chain_p), opt.init(gated_p)
+    names = list(chain_p)
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        doubt = data.draw(st.sets(st.sampled_from(names)), label="in doubt")
+        reached = data.draw(st.sets(st.sampled_from(names)), label="reached elsewhere")
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in chain_p.items()}
+        for k in doubt - reached:  # a leaf no rank reached: zeros from the reduction
+            grads[k].zero_()
+        norm = math.sqrt(sum(float((x.double() ** 2).sum()) for x in grads.values()))
+        some = {k: (None if k in doubt - reached else v) for k, v in grads.items()}
+        with measured(some, norm, True):
+            chain_p, chain_s = opt.update(some, chain_s, chain_p, step=step)
+        t, gl = opt.traced, flatten(grads)[1]
+        prep = tr.prepare(t, gl, gated_s, gated_p, step=step, norm=None)
+        leaves = tr.leaves_of(prep, t, locals_of(gl), prep.state, gated_p)
+        gain = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
+        order = flatten(gated_p)[0]
+        reach = {order.index((k,)): torch.tensor(k in reached) for k in doubt}
+        with torch.no_grad():
+            for part, part_leaves, gate in _parts(prep, leaves, torch.tensor([gain, 1.0, 1.0]),
+                                                  reach):
+                tr.eager_update(t, part, part_leaves, step, gate)
+        gated_s = prep.state._replace(count=tr.uncount(
+            prep.state.count, [order.index((k,)) for k in doubt - reached]))
+    exact = not (name == "sgd" and clip is not None)  # (as above)
+    for a, b in zip(_tensors(chain_p, chain_s), _tensors(gated_p, gated_s)):
+        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-6, atol=1e-7), \
+            (name, (a - b).abs().max())

@@ -143,3 +143,65 @@ def test_the_leaves_reached_cost_no_second_all_reduce_where_the_device_gates(poo
     for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", optimizer, {})):
         want = [1, 1, 1, 1] if optimizer == "sgd" else [2, 2, 1, 2]
         assert r["all_reduces"] == want, (rank, r)
+
+
+
+def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool):
+    """Host reads of each step, the caller reading its metrics after it (``read``) or never;
+    rank 0 alone takes the branch in steps 0, 2 and 3 (the other ranks leave its leaves
+    unreached, not knowing whether some rank reached them), no rank in step 1. Then the
+    parameters against one process."""
+    from tests.test_device import _HostReads
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    make, make_ref = OPTIMIZERS[optimizer]
+    step = fs.train_step(_loss(model), make())
+    state = step.init(fs.shard(fs.params(model), m))
+    opt = make_ref(list(ref.parameters()))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for kind in ("rank0", "none", "rank0", "rank0"):
+        x, y = torch.randn(world * PER_RANK, 6, generator=g), torch.randn(world * PER_RANK, 2,
+                                                                          generator=g)
+        pick, sl = _pick(kind, world), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        reads = _HostReads()
+        with reads:
+            state, metrics = step(state, (x[sl], y[sl], pick[sl]))
+        seen.append(reads.seen)
+        if read:
+            float(metrics["loss"])
+        opt.zero_grad(set_to_none=True)
+        sum(_loss(ref)(dict(ref.named_parameters()),
+                       tuple(t[j * PER_RANK:(j + 1) * PER_RANK] for t in (x, y, pick)))
+            for j in range(world)).div(world).backward()
+        opt.step()
+    full = fs.unshard(state.params)
+    err = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return seen, err
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening"])
+@pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
+def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimizer, read):
+    """Where a rank's loss left a leaf unreached, whether another rank reached it is a flag
+    of the metrics all-reduce, on the device: the eager step gates that leaf's update on it
+    and reads nothing (it read the flags at once before), and trains as one process. Its
+    count of updates stays in doubt until the verdict is read: with the metrics unread, the
+    next step reads it before its update, whose bias corrections take the counts (the step
+    before, which the device finished: on a GPU, no wait), and a step's start reads the
+    step before last's as always."""
+    for rank, (seen, err) in enumerate(pools.run(spec, reads_with_a_leaf_in_doubt,
+                                                 optimizer, read)):
+        assert err < 1e-6, (rank, err)
+        if read:
+            assert seen == [{}] * 4, (rank, seen)
+            continue
+        assert all(w.startswith("step/deferred.py") for s in seen for w in s), (rank, seen)
+        doubt = [rank > 0, True, rank > 0, rank > 0]  # leaves in doubt, per step
+        want = [0] + [int(doubt[k - 1]) + (k >= 2 and not doubt[k - 2]) for k in (1, 2, 3)]
+        assert [sum(s.values()) for s in seen] == want, (rank, seen)

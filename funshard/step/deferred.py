@@ -20,8 +20,9 @@ finished long before: the host stays a step ahead). A check that failed raises t
 the message a step that reads gives, on every rank at the same step; the state passed into
 the refused step is then usable again (its tensors kept their values on the device, the
 steps issued since skipped their updates too) and the states returned since refuse to be
-read. A rank whose loss reached some trainable leaf on no rank of its own reads the
-per-leaf flags at once (which leaves no rank reached), as a step that reads does. The
+read. A leaf this rank's loss did not reach, which another rank's may have, is updated
+under the flag that says whether some rank did ([Note: a leaf in doubt] in
+:mod:`funshard.step.update_program`; the compiled update reads the flags at once). The
 buffers (``state.buffers``) take the step's working copies where ``ok`` holds, on the
 device too. A dynamic loss scale lives on the device as well ([Note: a loss scale on the
 device] in :mod:`funshard.step.scaling`).
@@ -83,10 +84,12 @@ class Verdict:
     one's update was then skipped too), every time it is called."""
 
     def __init__(self, read: Callable[[list], tuple], vec: torch.Tensor,
-                 prior: "Verdict | None", delta: tuple = (), given=None, program=None):
+                 prior: "Verdict | None", delta: tuple = (), given=None, program=None,
+                 maybe: tuple = ()):
         self.read, self.prior, self.event = read, prior, None
         self.program = program  # the update program whose device state it moved
         self.delta = delta  # the leaves whose counts this step advanced
+        self.maybe = maybe  # of the leaves it counted, those no rank may have reached
         self.given = given  # the state the step was given
         self.built: list = []  # the states built as if it applied (until read)
         if vec.device.type == "cuda":  # no wait: pinned memory, an event to wait on later
@@ -132,12 +135,15 @@ class Verdict:
         if self.event is not None:
             self.event.synchronize()
         try:
-            self.values, rescale = self.read(self.host.tolist())  # the one read, when asked
+            self.values, rescale, gone = self.read(self.host.tolist())  # the one read
             if self.values.get("skipped"):  # the states built as if it applied: corrected
                 before, finite = self.given, False  # (its gradients' overflow: the scale)
                 for state in self.built:
                     _uncount(state, self.delta, (before, finite) if rescale else None)
                     before, finite = state, True
+            else:  # leaves no rank reached, counted as updated ([Note: a leaf in doubt])
+                for state in self.built if gone else ():
+                    _uncount(state, gone, None, skipped=False)
             self.built = self.given = None
         except (ValueError, FloatingPointError) as e:
             self.error = type(e)(
@@ -167,14 +173,15 @@ def _field(state, name: str):
     return donation.values(state)[type(state)._fields.index(name)]
 
 
-def _uncount(state, delta: tuple, rescale: tuple | None) -> None:
+def _uncount(state, delta: tuple, rescale: tuple | None, skipped: bool = True) -> None:
     """``state``, built as if a step applied that was skipped: ``skipped`` one more, the
     counts of ``delta`` one fewer ([Note: two counts in doubt]); where the step's gradients
     overflowed, ``rescale``: (the state ``state`` was built from, corrected, whether the
-    step between had finite gradients), the loss scale moved on from that state's."""
+    step between had finite gradients), the loss scale moved on from that state's. Not
+    ``skipped``: a step that applied, but not to the leaves ``delta`` no rank reached."""
     vals = list(donation.values(state))
     at = type(state)._fields.index
-    vals[at("skipped")] += 1
+    vals[at("skipped")] += int(skipped)
     opt = vals[at("opt_state")]
     vals[at("opt_state")] = opt._replace(count=traced_.uncount(opt.count, delta))
     if rescale is not None:
@@ -223,19 +230,22 @@ def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> 
 
 
 def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program,
-               skip: bool, mirror: tuple | None) -> tuple:
+               skip: bool, mirror: tuple | None, reached=None) -> tuple:
     """From the all-reduced sums: the gradients' factor (fs.Mean; else None) and ``(clip
     factor, ok, the step before applied)`` as float32, as the host would work them out.
     ``program``'s health (no step refused and unread before this one) goes into ``ok``.
     And what moves the device's state, once the update ran (a step that raises before
     leaves it): the health takes ``ok``, or the checks but the finite ones where a
     non-finite step is skipped, not refused (``skip``, or an overflow a dynamic scale,
-    ``mirror``, cures; the scale moves too); ``applied`` takes ``ok``."""
+    ``mirror``, cures; the scale moves too); ``applied`` takes ``ok``. ``reached``: whether
+    some rank reached some leaf, where this rank reached none for sure (else None)."""
     world = params.world
     health, applied = program.health(params.device), program.applied(params.device)
     loss, sq, count, means = vec[0], vec[1], vec[2], vec[3]
     h, h2 = vec[6], vec[7]
     agree = (h * h == world * h2) & (means == (world if mean else 0)) & health
+    if reached is not None:  # (a step that trains nothing is refused, as a reading one)
+        agree = agree & reached
     factor, loss_ok = None, None
     if mean:
         factor = world / count
@@ -268,8 +278,9 @@ def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program
 def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
            program, prior: Verdict | None) -> tuple[Any, Metrics]:
     """The metrics' sums all-reduced, ``(clip factor, ok)`` worked out from them on the
-    device, and ``program``'s update applied where ``ok`` holds: no host read (but the
-    unreached-leaf rule's, on a rank that reached some leaf no rank may have)."""
+    device, and ``program``'s update applied where ``ok`` holds: no host read (but, for a
+    compiled update, the unreached-leaf rule's on a rank that reached some leaf no rank may
+    have: [Note: a leaf in doubt] in :mod:`funshard.step.update_program`)."""
     check_trained(params, out.grads)
     out = owned(out)
     ls, dynamic = state.loss_scale, scaling.dynamic(policy)
@@ -286,17 +297,24 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
         with collectives.watch("all-reduce of the step's metrics", params.mesh):
             dist.all_reduce(vec)
     grads, counted = list(out.grads), present  # (counted: the leaves the update counts)
-    if any(i not in out.used for i in present):  # did any rank reach it? (a read)
+    maybe = [j for j, i in enumerate(present) if i not in out.used]  # reached elsewhere?
+    reach, reached = None, None
+    if maybe and program.eager:  # gated per leaf ([Note: a leaf in doubt])
+        flags = vec[HEAD + len(present):HEAD + 2 * len(present)] > 0
+        reach = {params.optim_pos[present[j]]: flags[j] for j in maybe}
+        reached = flags.sum() > 0 if len(maybe) == len(present) else None
+    elif maybe:  # (a read)
         flags = vec[HEAD + len(present):HEAD + 2 * len(present)].tolist()
         for i, f in zip(present, flags):
             if not f:
                 grads[i] = None
         check_trained(params, grads)
-        counted = [i for i in present if grads[i] is not None]
+        counted, maybe = [i for i in present if grads[i] is not None], []
     skip = policy.skip_nonfinite
-    doubt = _doubt(optimizer.traced, state, prior, program.eager) if skip or dynamic else None
+    doubt = (_doubt(optimizer.traced, state, prior, program.eager)
+             if skip or dynamic or (prior is not None and prior.maybe) else None)
     factor, dev, commit = _on_device(params, vec, out.count is not None,
-                                     optimizer.traced.clip, program, skip, mirror)
+                                     optimizer.traced.clip, program, skip, mirror, reached)
     if factor is not None:  # fs.Mean: the gradient of the mean over every item
         kept = [g for g in grads if g is not None]
         for dt in {g.dtype for g in kept}:
@@ -310,14 +328,14 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     if any(a is not None for a in out.aux):
         host["aux"] = out.aux[0] if policy.accumulate == 1 else out.aux
     verdict = Verdict(reader(params, out.order, out.count is not None, present, host,
-                              state.step, empty_batch(batch), skip,
-                              None if ls is None else "dynamic" if dynamic else ls.scale),
+                             state.step, empty_batch(batch), skip,
+                             None if ls is None else "dynamic" if dynamic else ls.scale, maybe),
                       vec, prior, _in_optim_order(params, counted) if skip or dynamic else (),
-                      state, program)
+                      state, program, tuple(reach or ()))
     new_params, opt_state = program(optimizer, pytree.unflatten(params.spec, grads),
                                     state.opt_state, state.params,
                                     step=state.step - state.skipped, norm=None,
-                                    device=params.device, dev=dev, doubt=doubt)
+                                    device=params.device, dev=dev, doubt=doubt, reach=reach)
     commit()
     return state._replace(params=new_params, opt_state=opt_state, step=state.step + 1,
                           buffers=None, loss_scale=scaling.after(policy, ls, True)

@@ -56,11 +56,14 @@ def owned(out: Grads) -> Grads:
 def check_trained(params: ParamGroups, grads: list) -> None:
     """Some trainable parameter must get a gradient, or the step would be a silent no-op."""
     if any(params.trainable) and all(g is None for g in grads):
-        raise ValueError(
-            "train_step: no trainable parameter received a gradient: the loss does not depend "
-            f"on any of the {sum(params.trainable)} trainable parameters (only on frozen ones, "
-            "or on none). Compute the loss from the params loss_fn is given."
-        )
+        raise untrained_error(params)
+
+
+def untrained_error(params: ParamGroups) -> ValueError:
+    return ValueError(
+        "train_step: no trainable parameter received a gradient: the loss does not depend "
+        f"on any of the {sum(params.trainable)} trainable parameters (only on frozen ones, "
+        "or on none). Compute the loss from the params loss_fn is given.")
 
 
 def empty_batch(batch: Any) -> str:
@@ -268,17 +271,26 @@ def loss_error(loss: float, step: int, note: str) -> FloatingPointError:
 
 
 def reader(params: ParamGroups, order: tuple, mean: bool, present: list, host: dict,
-           step: int, note: str, skip: bool, scale) -> Callable[[list], tuple]:
+           step: int, note: str, skip: bool, scale, maybe: list) -> Callable[[list], tuple]:
     """How the host reads the sums of a step that read nothing (:mod:`funshard.step.deferred`):
-    a reading step's checks, then the metrics, and whether a dynamic scale moved otherwise
+    a reading step's checks, then the metrics, whether a dynamic scale moved otherwise
     than the host took it to (``skip``: a non-finite step reads as skipped; under a dynamic
     scale an overflow too; ``scale``: the loss scale, a number, ``"dynamic"`` (the one the
-    step used, last in the sums) or None). (It holds no tensor of the step: the gradients
-    are freed as a reading step frees them.)"""
+    step used, last in the sums) or None), and which of the ``maybe`` leaves (positions in
+    ``present``) no rank reached, in the optimizer's order. (It holds no tensor of the step:
+    the gradients are freed as a reading step frees them.)"""
     dynamic = scale == "dynamic"
+    at = HEAD + len(present)  # the flags: whether some rank reached each leaf
 
     def read(vals: list) -> tuple:
+        metrics, rescale = _read(vals)
+        gone = [params.optim_pos[present[j]] for j in maybe if not vals[at + j]]
+        return metrics, rescale, tuple(gone)
+
+    def _read(vals: list) -> tuple:
         loss, sq, count, _ = read_head(params, order, vals)
+        if maybe and not any(vals[at:at + len(present)]):
+            raise untrained_error(params)
         per = vals[HEAD:HEAD + len(present)]
         norm = norm_of(sq)
         metrics = {**host, "loss": loss, "grad_norm": norm}

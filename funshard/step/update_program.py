@@ -74,6 +74,43 @@ def without_cuda_graphs(options: dict) -> dict:
     return out
 
 
+# [Note: a leaf in doubt] A leaf this rank's loss did not reach may have been reached on
+# another rank, or on none (then, as in one process, it is not updated and not counted:
+# [Note: a parameter no rank reached] in funshard.step.update). Which, the flags in the
+# step's metrics all-reduce say, on the device. A reading step read them at once; the eager
+# step updates such a leaf under a gate of its own (the step's ``ok`` and the leaf's flag,
+# one call per leaf: they are few), counts it as updated, and corrects the count where the
+# verdict reads it as reached by none: in each state built since (as a skipped step's) and
+# before the next step's update, whose scalars take the counts (so that step reads the
+# verdict of the one before, as under ``skip_nonfinite``). A step whose leaves no rank
+# reached is refused as a reading step refuses it, when read. The compiled update, whose
+# program fixes which leaves it updates, still reads the flags.
+
+
+def _parts(prep, leaves: tuple, dev: torch.Tensor, reach: dict | None) -> list:
+    """The eager update's calls ``(prepared, leaves, gate)``: every leaf but ``reach``'s
+    under ``dev``; then each of ``reach``'s under its own flag too ([Note: a leaf in
+    doubt])."""
+    if not reach:
+        return [(prep, leaves, dev)]
+    rows = [[j for j, i in enumerate(g) if i not in reach] for g in prep.groups]
+    parts = [_subset(prep, leaves, list(enumerate(rows)), dev)] if any(rows) else []
+    for r, g in enumerate(prep.groups):
+        parts += [_subset(prep, leaves, [(r, [j])], torch.stack([dev[0], dev[1] * reach[i]]))
+                  for j, i in enumerate(g) if i in reach]
+    return parts
+
+
+def _subset(prep, leaves: tuple, rows: list, gate: torch.Tensor) -> tuple:
+    """``prep`` and ``leaves`` for the leaves at ``rows`` (``(row, [positions])`` pairs)."""
+    rows = [(r, js) for r, js in rows if js]
+    return (prep._replace(groups=tuple(tuple(prep.groups[r][j] for j in js) for r, js in rows),
+                          static=tuple(prep.static[r] for r, _ in rows),
+                          scal=[[case[r] for r, _ in rows] for case in prep.scal],
+                          counts=tuple(prep.counts[r] for r, _ in rows)),
+            tuple(tuple(leaves[r][j] for j in js) for r, js in rows), gate)
+
+
 class UpdateProgram:
     """The compiled updates of one ``train_step``, keyed by what fixes their trace. The
     shards' shapes never change, so each is compiled for static shapes whatever the
@@ -119,12 +156,13 @@ class UpdateProgram:
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
                  norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
-                 doubt: tuple | None = None) -> tuple[Any, Any]:
+                 doubt: tuple | None = None, reach: dict | None = None) -> tuple[Any, Any]:
         """Update ``params`` and ``opt_state`` in place (donated); return them. ``norm``: the
         step's global norm, read on the host; or None and ``dev``, the step's ``(clip
         factor, ok, the step before applied)`` on the device ([Note: a step that reads
         nothing] in :mod:`funshard.step.deferred`), ``doubt`` the leaves that step counted
-        while its verdict is unread."""
+        while its verdict is unread; ``reach``: per leaf no rank may have reached, whether
+        some rank did, on the device (the eager update's: [Note: a leaf in doubt])."""
         t, grads = optimizer.traced, flatten(grad_tree)[1]
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
@@ -132,7 +170,8 @@ class UpdateProgram:
         leaves = traced_.leaves_of(prep, t, locals_of(grads), prep.state, params)
         if self.eager:  # the eager step's ([Note: an update gated on the device])
             with torch.no_grad():
-                traced_.eager_update(t, prep, leaves, step, dev)
+                for part, part_leaves, gate in _parts(prep, leaves, dev, reach):
+                    traced_.eager_update(t, part, part_leaves, step, gate)
             return params, prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
                        for group in leaves)
