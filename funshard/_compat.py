@@ -211,9 +211,8 @@ def inductor_patch(options: dict):
 #   hooks put over the caller's ([Note: hooks beneath the step's] in funshard.step.saved);
 # - ``torch.autograd.graph._engine_run_backward``: backward under a torch function mode
 #   that sees a recompute (funshard.step.recompute.RecomputeGuard);
-# - ``torch.utils._python_dispatch``'s mode stack (get, pop, push) and
-#   ``torch._C._len_torch_dispatch_stack``: the step's own ops kept out of selective
-#   checkpointing's cache;
+# - ``torch.utils._python_dispatch``'s mode stack (get, pop, push): the step's own ops kept
+#   out of selective checkpointing's cache;
 # - ``torch._dynamo.eval_frame.skip_code``: the saved-tensor hooks never compiled;
 # - and for shard / unshard: ``torch._C._functorch``'s wrapped-tensor check and transform
 #   stack (a shard under torch.func).
@@ -244,7 +243,6 @@ dispatch_mode_stack = _eager("torch.utils._python_dispatch",
                              "_get_current_dispatch_mode_stack")
 pop_mode = _eager("torch.utils._python_dispatch", "_pop_mode")
 push_mode = _eager("torch.utils._python_dispatch", "_push_mode")
-dispatch_depth = _eager("torch._C", "_len_torch_dispatch_stack")
 skip_code = _eager("torch._dynamo.eval_frame", "skip_code")
 if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")

@@ -63,13 +63,12 @@ def own_ops(grad: bool):
     cache (its dispatch modes would record or replay them), with grad on where the op runs
     under no_grad (a group's first gather enters autograd). Nothing to do (no dispatch
     mode, grad already on) is the usual case: a shared empty context then."""
-    if not grad and not _dispatch_depth():
+    if not grad and not _dispatch_stack():
         return _NOTHING
     return _own_ops(grad)
 
 
 _NOTHING = contextlib.nullcontext()
-_dispatch_depth = _compat.dispatch_depth or (lambda: 1)
 
 
 @contextlib.contextmanager
