@@ -4,6 +4,7 @@ its ``.grad`` stays None and torch.optim skips it; one that some rank reaches tr
 mean over ranks. Neither depends on the groups ([Note: a parameter no rank reached] in
 funshard.step.update)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -146,7 +147,7 @@ def test_the_leaves_reached_cost_no_second_all_reduce_where_the_device_gates(poo
 
 
 
-def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool):
+def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool, compile=False):
     """Host reads of each step, the caller reading its metrics after it (``read``) or never;
     rank 0 alone takes the branch in steps 0, 2 and 3 (the other ranks leave its leaves
     unreached, not knowing whether some rank reached them), no rank in step 1. Then the
@@ -159,7 +160,8 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool):
     model = Net()
     ref = copy.deepcopy(model)
     make, make_ref = OPTIMIZERS[optimizer]
-    step = fs.train_step(_loss(model), make())
+    torch._dynamo.reset()
+    step = fs.train_step(_loss(model), make(), compile=compile)
     state = step.init(fs.shard(fs.params(model), m))
     opt = make_ref(list(ref.parameters()))
     g = torch.Generator().manual_seed(1)
@@ -169,8 +171,8 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool):
                                                                           generator=g)
         pick, sl = _pick(kind, world), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         reads = _HostReads()
-        with reads:
-            state, metrics = step(state, (x[sl], y[sl], pick[sl]))
+        with reads if not compile or len(seen) >= 2 else contextlib.nullcontext():
+            state, metrics = step(state, (x[sl], y[sl], pick[sl]))  # (compiled: once traced)
         seen.append(reads.seen)
         if read:
             float(metrics["loss"])
@@ -205,3 +207,64 @@ def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimiz
         doubt = [rank > 0, True, rank > 0, rank > 0]  # leaves in doubt, per step
         want = [0] + [int(doubt[k - 1]) + (k >= 2 and not doubt[k - 2]) for k in (1, 2, 3)]
         assert [sum(s.values()) for s in seen] == want, (rank, seen)
+
+
+
+def compiled_reads(spec, optimizer: str, compile):
+    """A leaf only rank 0's loss reaches (a term of its own) and one no rank's loss reaches
+    (a module never called): the host reads of steps 2 and 3 (compiled: after its first,
+    eager, step and the second, which compiles), the caller reading each step's metrics;
+    then the parameters."""
+    from tests.test_device import _HostReads
+
+    m = mesh(spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    model.spare = nn.Linear(6, 6)  # never called
+
+    def loss_fn(params, batch):
+        x, y = batch
+        h = torch.tanh(fs.call(model.a, {k[2:]: v for k, v in params.items()
+                                         if k.startswith("a.")}, x))
+        if rank == 0:  # the other ranks leave "maybe" unreached
+            h = h + torch.tanh(fs.call(model.maybe, {k[6:]: v for k, v in params.items()
+                                                     if k.startswith("maybe.")}, h))
+        out = fs.call(model.head, {k[5:]: v for k, v in params.items()
+                                   if k.startswith("head.")}, h)
+        return nn.functional.mse_loss(out, y)
+
+    torch._dynamo.reset()
+    init = {k: v.detach().clone() for k, v in fs.params(model).items()}
+    make, _ = OPTIMIZERS[optimizer]
+    step = fs.train_step(loss_fn, make(), compile=compile)
+    state = step.init(fs.shard(fs.params(model), m))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for k in range(4):
+        x, y = torch.randn(world * PER_RANK, 6, generator=g), torch.randn(world * PER_RANK, 2,
+                                                                          generator=g)
+        sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        reads = _HostReads()
+        with reads if k >= 2 else contextlib.nullcontext():
+            state, metrics = step(state, (x[sl], y[sl]))
+        seen.append(reads.seen)
+        float(metrics["loss"])
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    torch._dynamo.reset()
+    return seen[2:], full, init
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_dampening"])
+def test_the_compiled_step_gates_a_leaf_in_doubt_on_the_device(pools, optimizer):
+    """The compiled update takes a flag per leaf as a program input: a leaf this rank left
+    unreached is updated where some rank reached it, and one no rank reached is left alone,
+    with no host read (it read the flags at every step before), as the eager step trains
+    them (aot_eager, 2 ranks)."""
+    for rank, ((es, e, init), (cs, c, _)) in enumerate(zip(
+            pools.run(2, compiled_reads, optimizer, False, timeout=600),
+            pools.run(2, compiled_reads, optimizer, {"backend": "aot_eager"}, timeout=600))):
+        assert cs == [{}, {}] and es == [{}, {}], (rank, cs, es)
+        assert max((c[k] - e[k]).abs().max().item() for k in e) <= 1e-5, rank
+        assert not torch.equal(c["maybe.weight"], init["maybe.weight"]), rank  # trained
+        assert torch.equal(c["spare.weight"], init["spare.weight"]), rank  # left alone

@@ -154,20 +154,23 @@ def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tr
 
 
 def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
-                dev: Optional[torch.Tensor] = None) -> None:
+                dev: Optional[torch.Tensor] = None, reach: Optional[torch.Tensor] = None) -> None:
     """Adam's (and AdamW's) update of every leaf, in place: ``groups[r]`` are the
     ``(grad, param, exp_avg, exp_avg_sq)`` local tensors that take row ``r`` of ``scal``
     (``coef, -lr / bc1, sqrt(bc2), 1 - lr * wd``) and ``static[r]`` (``l2, decay``). Each op
     is the chain's, in its order (``addcdiv_`` is ``p + (value * m) / den``). ``dev``: the
     step's ``(clip factor, ok)`` worked out on the device ([Note: a step that reads nothing]
     in :mod:`funshard.step.deferred`): the factor multiplies each row's, and where ``ok`` is
-    0 every tensor keeps its value."""
+    0 every tensor keeps its value; ``reach``: with ``dev``, a flag per leaf (rows in turn),
+    false where no rank reached it: it keeps its values too."""
     b1, b2, eps = hyper
     gain, keep = (None, None) if dev is None else (dev[0], dev[1] > 0)
+    at = iter(range(sum(map(len, groups))))
     for (l2, decay), leaves, row in zip(static, groups, scal.unbind()):
         coef, s, bc2, shrink = row.unbind()
         coef = coef if gain is None else coef * gain
         for g, p, m, v in leaves:
+            here = keep if reach is None or keep is None else keep & reach[next(at)]
             g = g.to(p.dtype) * coef
             if l2:
                 g = g.add(p, alpha=l2)
@@ -181,7 +184,7 @@ def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
             m2 = m.lerp(g, 1 - b1)
             v2 = v.mul(b2).addcmul_(g, g, value=1 - b2)
             p2 = (p.mul(shrink) if decay else p).add(s * m2 / (v2.sqrt() / bc2 + eps))
-            _keep(keep, (m, v, p), (m2, v2, p2))
+            _keep(here, (m, v, p), (m2, v2, p2))
 
 
 def _keep(keep: torch.Tensor, olds: tuple, news: tuple) -> None:
@@ -191,17 +194,19 @@ def _keep(keep: torch.Tensor, olds: tuple, news: tuple) -> None:
 
 
 def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
-               dev: Optional[torch.Tensor] = None) -> None:
+               dev: Optional[torch.Tensor] = None, reach: Optional[torch.Tensor] = None) -> None:
     """SGD's update, in place: ``groups[r]`` are the ``(grad, param, momentum_buffer)`` local
     tensors of row ``r`` (``coef, -lr``; without momentum no buffer), ``static[r]`` is
     ``(l2, first)`` (a leaf's first update sets its buffer to its gradient). ``dev``: as
     :func:`adam_update`'s."""
     momentum, dampening, nesterov = hyper
     gain, keep = (None, None) if dev is None else (dev[0], dev[1] > 0)
+    at = iter(range(sum(map(len, groups))))
     for (l2, first), leaves, row in zip(static, groups, scal.unbind()):
         coef, lr = row.unbind()
         coef = coef if gain is None else coef * gain
         for g, p, *buf in leaves:
+            here = keep if reach is None or keep is None else keep & reach[next(at)]
             g = g.to(p.dtype) * coef
             if l2:
                 g = g.add(p, alpha=l2)
@@ -209,7 +214,7 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
                 if keep is None:
                     p.add_(g * lr)
                 else:
-                    _keep(keep, (p,), (p.add(g * lr),))
+                    _keep(here, (p,), (p.add(g * lr),))
                 continue
             buf = buf[0]
             if keep is None:
@@ -221,7 +226,7 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
                 continue
             b2 = g if first else buf.mul(momentum).add_(g, alpha=1 - dampening)
             p2 = p.add((g.add(b2, alpha=momentum) if nesterov else b2) * lr)
-            _keep(keep, (buf, p), (b2, p2))
+            _keep(here, (buf, p), (b2, p2))
 
 
 UPDATES = {"adam": adam_update, "sgd": sgd_update}

@@ -22,7 +22,7 @@ the refused step is then usable again (its tensors kept their values on the devi
 steps issued since skipped their updates too) and the states returned since refuse to be
 read. A leaf this rank's loss did not reach, which another rank's may have, is updated
 under the flag that says whether some rank did ([Note: a leaf in doubt] in
-:mod:`funshard.step.update_program`; the compiled update reads the flags at once). The
+:mod:`funshard.step.update_program`). The
 buffers (``state.buffers``) take the step's working copies where ``ok`` holds, on the
 device too. A dynamic loss scale lives on the device as well ([Note: a loss scale on the
 device] in :mod:`funshard.step.scaling`).
@@ -278,9 +278,9 @@ def _on_device(params: ParamGroups, vec: torch.Tensor, mean: bool, clip, program
 def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any,
            program, prior: Verdict | None) -> tuple[Any, Metrics]:
     """The metrics' sums all-reduced, ``(clip factor, ok)`` worked out from them on the
-    device, and ``program``'s update applied where ``ok`` holds: no host read (but, for a
-    compiled update, the unreached-leaf rule's on a rank that reached some leaf no rank may
-    have: [Note: a leaf in doubt] in :mod:`funshard.step.update_program`)."""
+    device, and ``program``'s update applied where ``ok`` holds (and, for a leaf this rank
+    left unreached, where some rank reached it: [Note: a leaf in doubt] in
+    :mod:`funshard.step.update_program`): no host read."""
     check_trained(params, out.grads)
     out = owned(out)
     ls, dynamic = state.loss_scale, scaling.dynamic(policy)
@@ -299,17 +299,10 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     grads, counted = list(out.grads), present  # (counted: the leaves the update counts)
     maybe = [j for j, i in enumerate(present) if i not in out.used]  # reached elsewhere?
     reach, reached = None, None
-    if maybe and program.eager:  # gated per leaf ([Note: a leaf in doubt])
+    if maybe:  # gated per leaf ([Note: a leaf in doubt] in funshard.step.update_program)
         flags = vec[HEAD + len(present):HEAD + 2 * len(present)] > 0
         reach = {params.optim_pos[present[j]]: flags[j] for j in maybe}
         reached = flags.sum() > 0 if len(maybe) == len(present) else None
-    elif maybe:  # (a read)
-        flags = vec[HEAD + len(present):HEAD + 2 * len(present)].tolist()
-        for i, f in zip(present, flags):
-            if not f:
-                grads[i] = None
-        check_trained(params, grads)
-        counted, maybe = [i for i in present if grads[i] is not None], []
     skip = policy.skip_nonfinite
     doubt = (_doubt(optimizer.traced, state, prior, program.eager)
              if skip or dynamic or (prior is not None and prior.maybe) else None)
@@ -355,8 +348,8 @@ def _doubt(t, state, prior: Verdict | None, eager: bool) -> tuple | None:
     corrects ``state``)."""
     if prior is None or not prior.open():
         return None
-    if not eager and traced_.decided(t, state.opt_state, prior.delta,
-                                     state.step - state.skipped):
+    if not eager and not prior.maybe and traced_.decided(t, state.opt_state, prior.delta,
+                                                         state.step - state.skipped):
         return prior.delta
     prior.settle()
     return None

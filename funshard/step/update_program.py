@@ -40,11 +40,12 @@ from . import backend
 _ids = itertools.count()
 
 
-def _update(fn, hyper, static, groups, scal, dev):
+def _update(fn, hyper, static, groups, scal, dev, reach):
     """``scal``'s first case, or where ``dev`` says the step before was skipped, its second
-    ([Note: two counts in doubt] in :mod:`funshard.step.deferred`)."""
+    ([Note: two counts in doubt] in :mod:`funshard.step.deferred`); ``reach``: a flag per
+    leaf ([Note: a leaf in doubt])."""
     scal = scal[0] if dev is None else torch.where(dev[2] > 0, scal[0], scal[1])
-    return fn(hyper, static, groups, scal, dev[:2] if dev is not None else None)
+    return fn(hyper, static, groups, scal, dev[:2] if dev is not None else None, reach)
 
 
 def _scalars(rows: list, device: torch.device) -> torch.Tensor:
@@ -77,14 +78,15 @@ def without_cuda_graphs(options: dict) -> dict:
 # [Note: a leaf in doubt] A leaf this rank's loss did not reach may have been reached on
 # another rank, or on none (then, as in one process, it is not updated and not counted:
 # [Note: a parameter no rank reached] in funshard.step.update). Which, the flags in the
-# step's metrics all-reduce say, on the device. A reading step read them at once; the eager
-# step updates such a leaf under a gate of its own (the step's ``ok`` and the leaf's flag,
-# one call per leaf: they are few), counts it as updated, and corrects the count where the
-# verdict reads it as reached by none: in each state built since (as a skipped step's) and
-# before the next step's update, whose scalars take the counts (so that step reads the
-# verdict of the one before, as under ``skip_nonfinite``). A step whose leaves no rank
-# reached is refused as a reading step refuses it, when read. The compiled update, whose
-# program fixes which leaves it updates, still reads the flags.
+# step's metrics all-reduce say, on the device. A reading step read them at once; here such
+# a leaf is updated under a gate of its own (the step's ``ok`` and the leaf's flag: the eager
+# update one call per such leaf, they are few; the compiled one takes a flag per leaf as an
+# input, true for the others, so one trace serves every step), counted as updated, and the
+# count corrected where the verdict reads it as reached by none: in each state built since
+# (as a skipped step's) and before the next step's update, whose scalars take the counts (so
+# that step reads the verdict of the one before, as the eager step does under
+# ``skip_nonfinite``). A step whose leaves no rank reached is refused as a reading step
+# refuses it, when read.
 
 
 def _parts(prep, leaves: tuple, dev: torch.Tensor, reach: dict | None) -> list:
@@ -122,6 +124,7 @@ class UpdateProgram:
         self._health: torch.Tensor | None = None
         self._applied: torch.Tensor | None = None
         self._scale: tuple | None = None
+        self._ones: tuple | None = None  # the flags of an update with no leaf in doubt
 
     def health(self, device: torch.device | None) -> torch.Tensor:
         """A bool on ``device``: false from a step refused on the device until the host
@@ -144,6 +147,20 @@ class UpdateProgram:
         if self._scale is None or self._scale[0].device != device:
             self._scale = tuple(torch.ones((), device=device) for _ in range(2))
         return self._scale
+
+    def _flags(self, prep, reach: dict | None, dev, device) -> torch.Tensor | None:
+        """The compiled update's flag per leaf (rows in turn): whether some rank reached it
+        (``reach``'s, else true), a program input either way, so one trace serves both."""
+        if dev is None:
+            return None
+        order = [i for row in prep.groups for i in row]
+        if not reach:
+            key = ("reach", len(order), device)
+            if self._ones is None or self._ones[0] != key:
+                self._ones = (key, torch.ones(len(order), dtype=torch.bool, device=device))
+            return self._ones[1]
+        true = torch.ones((), dtype=torch.bool, device=device)
+        return torch.stack([reach.get(i, true) for i in order])
 
     @property
     def eager(self) -> bool:
@@ -185,6 +202,6 @@ class UpdateProgram:
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
         with torch.no_grad(), logs:
             entry[0](traced_.UPDATES[t.kind], t.hyper, prep.static, leaves,
-                     _scalars(prep.scal, device), dev)
+                     _scalars(prep.scal, device), dev, self._flags(prep, reach, dev, device))
         entry[1] = True
         return params, prep.state
