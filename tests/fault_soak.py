@@ -7,7 +7,6 @@ random moment (inside a step or a save). Rank 0 prints ``RAISED <time.time()> <t
 checkpoint on one process and prints ``LOADED <step>`` (or ``FAILED <error>``) per DIR.
 """
 
-import os
 import sys
 import time
 from datetime import timedelta

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import funshard as fs
 from funshard.testing import mesh
 from funshard.testing.models import GPT, gpt_loss
-from conftest import MESHES
 
 POLICIES = {
     "full": {},

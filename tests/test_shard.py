@@ -402,7 +402,7 @@ def exchange_parity(spec, shapes, seed, direct="p2p"):
     problems = []
     for k, full in zip(x, x.values()):
         i = list(x).index(k)
-        if not (torch.equal(da[i], full) and torch.equal(db[i], full) and torch.equal(na[i], full)):
+        if not all(torch.equal(t[i], full) for t in (da, db, na, nb)):
             problems.append(f"{k}: a gathered tensor differs from the full one")
         if dred[i].shape != nred[i].shape:
             problems.append(f"{k}: reduced shapes {dred[i].shape} vs {nred[i].shape}")
