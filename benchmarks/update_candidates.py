@@ -6,7 +6,7 @@ AdamW over the host-bound GPT's parameters (100 leaves, world 1), timed per upda
   floats);
 - ``fs_gated``: the eager step's update that reads nothing: the same foreach ops, gated
   on the device's verdict ([Note: an update gated on the device] in
-  :mod:`funshard.optim.traced`);
+  :mod:`funshard.optim.gated`);
 - ``torch_foreach``: ``torch.optim.AdamW(foreach=True)``, eager, what the plain step runs;
 - ``torch_compiled``: the same optimizer's ``step()`` under ``torch.compile``, with
   ``capturable=True`` and the learning rate a tensor (so a new step count or rate is not a

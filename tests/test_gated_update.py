@@ -1,4 +1,4 @@
-"""The eager step's update gated on the device (funshard.optim.traced's adam_eager and
+"""The eager step's update gated on the device (funshard.optim.gated's adam_eager and
 sgd_eager): where the step applies it is the fs.optim chain's, bit for bit; where it does
 not, every tensor keeps its value exactly, whatever the gradients hold (NaN, inf)."""
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funshard as fs
+from funshard.optim import gated
 from funshard.optim import traced as tr
 from funshard.optim.base import flatten, locals_of
 from funshard.optim.measured import measured
@@ -46,7 +47,7 @@ def _gated(opt, grads: dict, state, params: dict, step: int, gain: float, ok: bo
     leaves = tr.leaves_of(prep, t, locals_of(gl), prep.state, params)
     dev = torch.tensor([gain, float(ok), 1.0])
     with torch.no_grad():
-        tr.eager_update(t, prep, leaves, step, dev)
+        gated.eager_update(t, prep, leaves, step, dev)
     return prep.state
 
 
@@ -155,7 +156,7 @@ def test_leaves_gated_each_on_their_own_flag_update_as_the_chain_without_the_oth
         with torch.no_grad():
             for part, part_leaves, gate in _parts(prep, leaves, torch.tensor([gain, 1.0, 1.0]),
                                                   reach):
-                tr.eager_update(t, part, part_leaves, step, gate)
+                gated.eager_update(t, part, part_leaves, step, gate)
         gated_s = prep.state._replace(count=tr.uncount(
             prep.state.count, [order.index((k,)) for k in doubt - reached]))
     exact = not (name == "sgd" and clip is not None)  # (as above)

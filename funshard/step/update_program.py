@@ -1,7 +1,7 @@
 """The step's update of ``adam``, ``adamw`` and ``sgd`` (the Policy's clip in front) over every
 leaf's local shards at once: the compiled step's second program or, made with no options,
 the eager step's foreach ops gated on the device ([Note: an update gated on the device] in
-:mod:`funshard.optim.traced`).
+:mod:`funshard.optim.gated`).
 
 The host works out the step's scalars ([Note: an update the compiler can hold] in
 :mod:`funshard.optim.traced`) and copies them to the device as one small tensor without a
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..optim import gated
 from ..optim import traced as traced_
 from ..optim.base import flatten, locals_of
 from . import backend
@@ -188,7 +189,7 @@ class UpdateProgram:
         if self.eager:  # the eager step's ([Note: an update gated on the device])
             with torch.no_grad():
                 for part, part_leaves, gate in _parts(prep, leaves, dev, reach):
-                    traced_.eager_update(t, part, part_leaves, step, gate)
+                    gated.eager_update(t, part, part_leaves, step, gate)
             return params, prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
                        for group in leaves)
