@@ -154,9 +154,9 @@ def test_leaves_gated_each_on_their_own_flag_update_as_the_chain_without_the_oth
         order = flatten(gated_p)[0]
         reach = {order.index((k,)): torch.tensor(k in reached) for k in doubt}
         with torch.no_grad():
-            for part, part_leaves, gate in _parts(prep, leaves, torch.tensor([gain, 1.0, 1.0]),
-                                                  reach):
-                gated.eager_update(t, part, part_leaves, step, gate)
+            for part, part_leaves, gate, each in _parts(
+                    prep, leaves, torch.tensor([gain, 1.0, 1.0]), reach, t.fused):
+                gated.eager_update(t, part, part_leaves, step, gate, each)
         gated_s = prep.state._replace(count=tr.uncount(
             prep.state.count, [order.index((k,)) for k in doubt - reached]))
     exact = not (name == "sgd" and clip is not None)  # (as above)

@@ -5,7 +5,7 @@ host's part (:func:`funshard.optim.traced.prepare`) is the compiled update's.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -44,38 +44,56 @@ class _Gate(NamedTuple):
     update: the clip factor (None: no clip), ``ok`` (1.0 or 0.0), and as booleans."""
 
     gain: Optional[torch.Tensor]
-    ok: torch.Tensor
-    keep: torch.Tensor
-    drop: torch.Tensor
+    ok: Any  # a 0-d tensor, or one per leaf of a chunk (a list: foreach ops take either)
+    keep: Any
+    drop: Any
+    each: bool = False  # the leaves carry a flag of their own, last in each leaf's tuple
 
     @staticmethod
-    def of(dev: torch.Tensor, clip: bool) -> "_Gate":
+    def of(dev: torch.Tensor, clip: bool, each: bool = False) -> "_Gate":
         keep = dev[1] > 0
-        return _Gate(dev[0] if clip else None, dev[1], keep, ~keep)
+        return _Gate(dev[0] if clip else None, dev[1], keep, ~keep, each)
 
-    def unless(self, x: float) -> torch.Tensor:
-        """``x`` where the step applies, else 1 (a device float32)."""
+    def unless(self, x: float) -> Any:
+        """``x`` where the step applies, else 1 (device float32: one, or one per leaf)."""
+        if isinstance(self.keep, list):
+            return list(torch.where(torch.stack(self.keep), x, 1.0).float().unbind())
         return torch.where(self.keep, x, 1.0).float()
+
+    def off(self) -> Any:
+        """``1 - ok``."""
+        return [1 - o for o in self.ok] if isinstance(self.ok, list) else 1 - self.ok
 
 
 def _chunk(leaves: tuple, run: list, gate: _Gate) -> tuple:
     """A chunk's tensors, per kind (gradients, params, state...), its gradients in the params'
-    dtypes times the clip factor (in place: the step's own gradients, not needed after)."""
+    dtypes times the clip factor (in place: the step's own gradients, not needed after), and
+    its gate: ``gate``, or, where each leaf carries a flag, one per leaf ([Note: a leaf in
+    doubt] in :mod:`funshard.step.update_program`)."""
     cols = tuple(zip(*(leaves[j] for j in run)))
     gs = [g.to(p.dtype) for g, p in zip(cols[0], cols[1])]
     if gate.gain is not None:
         torch._foreach_mul_(gs, gate.gain)
-    return cols, gs
+    if gate.each:
+        oks = (gate.ok * torch.stack(cols[-1])).float()
+        keep = oks > 0
+        gate = gate._replace(ok=list(oks.unbind()), keep=list(keep.unbind()),
+                             drop=list((~keep).unbind()))
+        cols = cols[:-1]
+    return cols, gs, gate
 
 
 def _chosen(gs: list, gate: _Gate, other) -> list:
     """Each gradient (in place) where the step applies, else ``other``'s tensor (or 0)."""
+    keep, drop = gate.keep, gate.drop
+    if not isinstance(keep, list):
+        keep, drop = [keep] * len(gs), [drop] * len(gs)
     if other is None:
-        for g in gs:
-            g.masked_fill_(gate.drop, 0.0)
+        for g, d in zip(gs, drop):
+            g.masked_fill_(d, 0.0)
         return gs
-    for g, o in zip(gs, other):
-        torch.where(gate.keep, g, o, out=g)
+    for g, o, k in zip(gs, other, keep):
+        torch.where(k, g, o, out=g)
     return gs
 
 
@@ -87,10 +105,13 @@ def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Ga
     for (l2, decay), leaves, (_, s, bc2, shrink) in zip(static, groups, rows):
         shrink_ok = gate.unless(shrink) if decay else None
         for run in chunks([leaf[1] for leaf in leaves]):
-            (_, ps, ms, vs), gs = _chunk(leaves, run, gate)
+            (_, ps, ms, vs), gs, each = _chunk(leaves, run, gate)
+            if gate.each:  # a gate per leaf
+                b2_ok, ok = each.unless(b2), each.ok
+                shrink_ok = each.unless(shrink) if decay else None
             if l2:
                 gs = torch._foreach_add(gs, list(ps), alpha=l2)
-            gs = _chosen(gs, gate, ms)  # m where the step does not apply: lerp(m, m) = m
+            gs = _chosen(gs, each, ms)  # m where the step does not apply: lerp(m, m) = m
             torch._foreach_lerp_(ms, gs, 1 - b1)
             torch._foreach_mul_(vs, b2_ok)
             torch._foreach_addcmul_(vs, gs, torch._foreach_mul(gs, ok), 1 - b2)
@@ -104,7 +125,7 @@ def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Ga
                 torch._foreach_div_(den, ok)  # inf where the step does not apply
                 torch._foreach_addcdiv_(ps, ms, den, s)
             else:  # den may be 0: (m * 0) / (den + 1) = 0 where the step does not apply
-                torch._foreach_add_(den, 1 - ok)
+                torch._foreach_add_(den, each.off())
                 torch._foreach_addcdiv_(ps, torch._foreach_mul(ms, ok), den, s)
             del den
 
@@ -115,17 +136,19 @@ def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Gat
     mom_ok, ok = gate.unless(momentum), gate.ok
     for (l2, first), leaves, (_, lr) in zip(static, groups, rows):
         for run in chunks([leaf[1] for leaf in leaves]):
-            (_, ps, *bufs), gs = _chunk(leaves, run, gate)
+            (_, ps, *bufs), gs, each = _chunk(leaves, run, gate)
+            if gate.each:  # a gate per leaf
+                mom_ok, ok = each.unless(momentum), each.ok
             if l2:
                 gs = torch._foreach_add(gs, list(ps), alpha=l2)
             if not bufs:  # no momentum: p + lr * 0 = p where the step does not apply
-                torch._foreach_add_(ps, _chosen(gs, gate, None), alpha=lr)
+                torch._foreach_add_(ps, _chosen(gs, each, None), alpha=lr)
                 continue
             if first:  # a leaf's first update: its buffer is its gradient (or stays)
-                gs = _chosen(gs, gate, bufs[0])
+                gs = _chosen(gs, each, bufs[0])
                 torch._foreach_copy_(bufs[0], gs)
             else:
-                gs = _chosen(gs, gate, None)
+                gs = _chosen(gs, each, None)
                 torch._foreach_mul_(bufs[0], mom_ok)
                 torch._foreach_add_(bufs[0], gs, alpha=1 - dampening)
             res = torch._foreach_add(gs, bufs[0], alpha=momentum) if nesterov else bufs[0]
@@ -158,10 +181,12 @@ EAGER = {"adam": adam_eager, "sgd": sgd_eager}
 
 
 def eager_update(t: Traced, prep: Prepared, groups: tuple, step: int,
-                 dev: torch.Tensor) -> None:
+                 dev: torch.Tensor, each: bool = False) -> None:
     """The eager step's update of ``groups`` (:func:`leaves_of`), gated on ``dev`` (the clip
-    factor, whether the step applies); ``prep`` made with no doubt (one case)."""
-    gate = _Gate.of(dev, t.clip is not None)
+    factor, whether the step applies); ``prep`` made with no doubt (one case). ``each``:
+    every leaf's tuple ends in a flag of its own (1 or 0 on the device) that gates it too
+    (not for the fused kernel, whose verdict is one per call)."""
+    gate = _Gate.of(dev, t.clip is not None, each)
     if t.fused:
         adam_fused_eager(t, prep, groups, step, gate)
     else:
