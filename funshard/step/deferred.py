@@ -141,8 +141,8 @@ class Verdict:
                 for state in self.built:
                     _uncount(state, self.delta, (before, finite) if rescale else None)
                     before, finite = state, True
-            else:  # leaves no rank reached, counted as updated ([Note: a leaf in doubt])
-                for state in self.built if gone else ():
+            elif gone:  # leaves no rank reached, counted as updated ([Note: a leaf in doubt])
+                for state in self.built:
                     _uncount(state, gone, None, skipped=False)
             self.built = self.given = None
         except (ValueError, FloatingPointError) as e:

@@ -106,9 +106,10 @@ def _parts(prep, leaves: tuple, dev: torch.Tensor, reach: dict | None,
     parts = [_subset(prep, leaves, list(enumerate(rows)), dev)] if any(rows) else []
     doubt = [[j for j, i in enumerate(g) if i in reach] for g in prep.groups]
     if not fused:
-        flagged = tuple(tuple((*leaf, reach.get(i)) for leaf, i in zip(row, g))
-                        for row, g in zip(leaves, prep.groups))
-        return parts + [(*_subset(prep, flagged, list(enumerate(doubt)), dev)[:3], True)]
+        part, doubted, _, _ = _subset(prep, leaves, list(enumerate(doubt)), dev)
+        flagged = tuple(tuple((*leaf, reach[i]) for leaf, i in zip(row, g))
+                        for row, g in zip(doubted, part.groups))
+        return parts + [(part, flagged, dev, True)]
     for r, js in enumerate(doubt):
         parts += [_subset(prep, leaves, [(r, [j])],
                           torch.stack([dev[0], dev[1] * reach[prep.groups[r][j]]]))
@@ -166,14 +167,13 @@ class UpdateProgram:
         (``reach``'s, else true), a program input either way, so one trace serves both."""
         if dev is None:
             return None
-        order = [i for row in prep.groups for i in row]
         if not reach:
-            key = ("reach", len(order), device)
+            key = ("reach", sum(map(len, prep.groups)), device)
             if self._ones is None or self._ones[0] != key:
-                self._ones = (key, torch.ones(len(order), dtype=torch.bool, device=device))
+                self._ones = (key, torch.ones(key[1], dtype=torch.bool, device=device))
             return self._ones[1]
         true = torch.ones((), dtype=torch.bool, device=device)
-        return torch.stack([reach.get(i, true) for i in order])
+        return torch.stack([reach.get(i, true) for row in prep.groups for i in row])
 
     @property
     def eager(self) -> bool:
