@@ -338,10 +338,10 @@ def test_a_step_unread_reads_the_step_before_last(pools, spec, policy, compiled)
 def test_the_optimizers_read_nothing(pools, optimizer):
     """fs.optim's optimizers make no host read (torch.optim through from_torch reads its
     own CPU step counters, which wait for no device). ``adam``, ``adamw`` (its fused kernel
-    too) and ``sgd`` are gated on the device; the rest (a custom chain, ``muon``) run after
+    too), ``sgd`` and ``muon`` are gated on the device; the rest (a custom chain) run after
     the step's one read of its metrics."""
     for rank, (seen, read, _) in enumerate(pools.run(2, host_reads, {}, optimizer)):
-        if optimizer in ("adamw", "sgd", "fused_adamw"):
+        if optimizer in ("adamw", "sgd", "fused_adamw", "muon"):
             assert seen == {} and sum(read.values()) == 1, (rank, seen, read)
         else:
             assert sum(seen.values()) == 1 and read == {}, (rank, seen, read)

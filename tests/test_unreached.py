@@ -39,7 +39,27 @@ OPTIMIZERS = {
     # a leaf's buffer starts at its first gradient, whenever that comes (then dampened)
     "sgd_dampening": (lambda: fs.optim.sgd(lr=0.1, momentum=0.9, dampening=0.5),
                       lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5)),
+    # Muon on the matrices (its momentum starts at zero), AdamW on the biases
+    "muon": (lambda: fs.optim.muon(lr=0.02, momentum=0.9, other=fs.optim.adamw(lr=1e-2)),
+             lambda ps: _Both(torch.optim.Muon([p for p in ps if p.ndim == 2], lr=0.02,
+                                               momentum=0.9),
+                              torch.optim.AdamW([p for p in ps if p.ndim != 2], lr=1e-2))),
 }
+
+
+class _Both:
+    """Two torch optimizers over disjoint parameters, as one."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.opts:
+            o.step()
 
 
 class Net(nn.Module):
@@ -187,7 +207,7 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool, compile=False):
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening", "muon"])
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
 def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimizer, read):
     """Where a rank's loss left a leaf unreached, whether another rank reached it is a flag

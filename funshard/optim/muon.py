@@ -26,9 +26,10 @@ from .. import collectives
 from ..layout import layout_of
 from ..mesh import SHARD, mesh_device
 from .alias import adamw
-from .base import (Delta, GradientTransformation, Optimizer, Tree, flatten, path_str, unflatten,
-                   zeros_tree)
+from .base import (Delta, GradientTransformation, Optimizer, Tree, check_held, flatten, local,
+                   lr_at, path_str, unflatten, zeros_tree)
 from .combine import chain, multi_transform
+from .traced import Traced, traceable
 from .transforms import active, add_decayed_weights, scale_by_learning_rate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -144,11 +145,7 @@ def scale_by_muon(momentum: float = 0.95, *, nesterov: bool = True,
         with torch.no_grad():
             us = []
             for i, g, buf in zip(idx, grads, bufs):
-                if p_leaves[i].ndim != 2 or p_leaves[i].is_complex():
-                    raise ValueError(
-                        f"muon: leaf {path_str(paths[i])} of shape {tuple(p_leaves[i].shape)} "
-                        f"({p_leaves[i].dtype}) is not a real 2-D matrix; give it another rule "
-                        "(fs.optim.muon(other=...) takes every leaf that is not 2-D)")
+                _check_matrix(paths[i], p_leaves[i])
                 buf.lerp_(g, 1 - momentum)
                 us.append((g.lerp(buf, momentum) if nesterov else buf).bfloat16())
             out = _directions(us, [p_leaves[i] for i in idx], [paths[i] for i in idx], ns)
@@ -159,6 +156,14 @@ def scale_by_muon(momentum: float = 0.95, *, nesterov: bool = True,
         return unflatten(spec, new), state
 
     return GradientTransformation(lambda params: MuonState(zeros_tree(params)), update)
+
+
+def _check_matrix(path: tuple, p) -> None:
+    if p.ndim != 2 or p.is_complex():
+        raise ValueError(
+            f"muon: leaf {path_str(path)} of shape {tuple(p.shape)} ({p.dtype}) is not a real "
+            "2-D matrix; give it another rule (fs.optim.muon(other=...) takes every leaf that "
+            "is not 2-D)")
 
 
 def _directions(us: list, ps: list, paths: list, ns) -> list[torch.Tensor]:
@@ -201,8 +206,58 @@ def muon(lr=1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: b
     rule = chain(scale_by_muon(momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
                                eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn),
                  add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
-    label = lambda fqn, p: ("muon" if p is not None and p.ndim == 2
-                                      and (matrices is None or matrices(fqn))
-                            else "other")
-    return chain(multi_transform({"muon": rule, "other": other or adamw(3e-4, weight_decay=0.01)},
-                                 label))
+    takes = lambda fqn, p: (p is not None and p.ndim == 2 and (matrices is None or matrices(fqn)))
+    label = lambda fqn, p: "muon" if takes(fqn, p) else "other"
+    other = other or adamw(3e-4, weight_decay=0.01)
+    rest = getattr(other, "traced", None)
+    gated = traceable(rest) and rest.kind != "muon" and rest.clip is None
+    return chain(multi_transform({"muon": rule, "other": other}, label))._replace(
+        traced=Traced("muon", lr, (momentum, nesterov, tuple(ns_coefficients), eps, ns_steps,
+                                   adjust_lr_fn), weight_decay, True, takes,
+                      other=rest) if gated else None)
+
+
+# [Note: Muon gated on the device] The eager step's update without a host read ([Note: a step
+# that reads nothing] in funshard.step.deferred) runs Muon's own ops with the step's ``(clip
+# factor, ok)`` on the device: the momentum and the parameter are worked out new, and each
+# takes its new value where ``ok`` holds (and, for a leaf this rank left unreached, where some
+# rank reached it), else keeps its old one. Each matrix's orthogonalisation and its two
+# all-to-alls run either way, so every rank takes part in the same collectives. The ops are
+# the chain's in its order (the clip's factor, the momentum's lerp, ``p *= 1 - lr * wd``,
+# ``p += -lr * ratio * direction``), so where ``ok`` holds the numbers are the chain's; the
+# leaves Muon does not take go through the other rule's gated update.
+
+
+def gated_update(t: Traced, grads: list, state: MuonState, params: Tree, *, step: int,
+                 dev: torch.Tensor, reach: Optional[dict] = None) -> None:
+    """Muon's update of the leaves with a gradient in ``grads`` (local tensors or DTensors,
+    None elsewhere), in place, gated by ``dev``'s ``(clip factor, ok)`` and ``reach``'s flag
+    per leaf ([Note: Muon gated on the device])."""
+    momentum, nesterov, coefficients, eps, ns_steps, adjust_lr_fn = t.hyper
+    paths, p_leaves, _ = flatten(params)
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    bufs = flatten(state.momentum_buffer)[1]
+    check_held(paths, idx, bufs)
+    if not idx:
+        return
+    gain, ok = dev[0], dev[1] > 0
+    lr = lr_at(t.lr, step)
+    ns = lambda x: newton_schulz(x, coefficients, ns_steps, eps)
+    keeps = [ok if reach is None or i not in reach else ok & reach[i] for i in idx]
+    with torch.no_grad():
+        us = []
+        for i, keep in zip(idx, keeps):
+            _check_matrix(paths[i], p_leaves[i])
+            p, buf = local(p_leaves[i]), local(bufs[i])
+            g = local(grads[i]).to(p.dtype) * gain
+            b2 = buf.lerp(g, 1 - momentum)
+            us.append((g.lerp(b2, momentum) if nesterov else b2).bfloat16())
+            buf.copy_(torch.where(keep, b2, buf))  # (the new momentum: one leaf's at a time)
+        out = _directions(us, [p_leaves[i] for i in idx], [paths[i] for i in idx], ns)
+        shrink = 1 + t.weight_decay * (-lr / 1.0)
+        for i, o, keep in zip(idx, out, keeps):
+            p = local(p_leaves[i])
+            ratio = adjusted_ratio(p_leaves[i].shape, adjust_lr_fn)
+            p2 = (p.mul(shrink) if t.weight_decay != 0.0 else p).add(
+                o.to(p.dtype), alpha=ratio * -lr / 1.0)
+            p.copy_(torch.where(keep, p2, p))

@@ -36,9 +36,12 @@ from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, 
 
 
 class Traced(NamedTuple):
-    """What an ``adam``, ``adamw`` or ``sgd`` chain does, for :func:`prepare`."""
+    """What an ``adam``, ``adamw`` or ``sgd`` chain does, for :func:`prepare`; or a
+    ``muon`` (kind ``"muon"``): its own hyperparameters, ``mask`` the ``(fqn, param) ->
+    bool`` of the leaves it takes, ``other`` the rest's (the eager step gates it on the
+    device, :func:`funshard.optim.muon.gated_update`; no compiled form)."""
 
-    kind: str  # "adam" or "sgd"
+    kind: str  # "adam", "sgd" or "muon"
     lr: ScalarOrSchedule
     hyper: tuple  # adam: (b1, b2, eps); sgd: (momentum, dampening, nesterov)
     weight_decay: float
@@ -46,6 +49,7 @@ class Traced(NamedTuple):
     mask: Any = None  # where the decay applies (as add_decayed_weights' mask); None: everywhere
     clip: Optional[float] = None  # the global norm clip in front (Policy(clip_norm=))
     fused: bool = False  # Adam's fused kernel (adamw(fused=True))
+    other: Any = None  # muon's: the Traced of the leaves it does not take
 
 
 class Prepared(NamedTuple):
@@ -105,6 +109,17 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
             for k, r in ((0, lr), (1, alt_lr))]
     return Prepared(tuple(tuple(v) for v in rows.values()), static, scal,
                     state._replace(count=count), tuple(lead[0] for lead, _ in rows))
+
+
+def recount(state: Any, idx) -> Any:
+    """The optimizer state ``state`` with one update fewer counted for the leaves at ``idx``
+    (:func:`uncount`), in each part that counts (a ``muon``'s parts by label)."""
+    if hasattr(state, "inner_states"):
+        return state._replace(inner_states={k: recount(v, idx)
+                                            for k, v in state.inner_states.items()})
+    if "count" in getattr(type(state), "_fields", ()):  # (a tuple's own count is a method)
+        return state._replace(count=uncount(state.count, idx))
+    return state
 
 
 def uncount(count: Tree, idx) -> Tree:
@@ -232,9 +247,10 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
 UPDATES = {"adam": adam_update, "sgd": sgd_update}
 
 
-def traceable(t: Optional[Traced]) -> bool:
-    """Whether :func:`prepare` covers ``t``."""
-    return t is not None
+def traceable(t: Optional[Traced], compiled: bool = True) -> bool:
+    """Whether the update program covers ``t``: :func:`prepare` does (a ``muon``, only the
+    eager step's)."""
+    return t is not None and (t.kind != "muon" or not compiled)
 
 
 def _stateless(t: Traced) -> bool:

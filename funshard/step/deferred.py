@@ -8,10 +8,10 @@ idle while the update is issued (:mod:`funshard.step.update` does so still, for 
 optimizers the device cannot gate). Here, for an update an
 :class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
 the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
-update gated on the device] in :mod:`funshard.optim.traced`), the same all-reduce carries
-the same sums, and the device works out what the host did: ``ok`` (the loss and norm
-finite, the ranks' gather orders and kinds of loss alike, and no earlier step refused and
-unread) and the clip factor. The update program applies the update where ``ok`` holds
+update gated on the device] in :mod:`funshard.optim.gated`; and the eager step's ``muon``),
+the same all-reduce carries the same sums, and the device works out what the host did:
+``ok`` (the loss and norm finite, the ranks' gather orders and kinds of loss alike, and no
+earlier step refused and unread) and the clip factor. The update program applies the update where ``ok`` holds
 and keeps every tensor where it does not. The sums come to the host (from pinned memory on
 a GPU, without a wait) and are read at the first of: the caller reading ``metrics`` (any
 key), ``fs.state_dict`` or a checkpoint of the returned state, and the start of the step
@@ -183,7 +183,7 @@ def _uncount(state, delta: tuple, rescale: tuple | None, skipped: bool = True) -
     at = type(state)._fields.index
     vals[at("skipped")] += int(skipped)
     opt = vals[at("opt_state")]
-    vals[at("opt_state")] = opt._replace(count=traced_.uncount(opt.count, delta))
+    vals[at("opt_state")] = traced_.recount(opt, delta)
     if rescale is not None:
         before, finite = rescale
         vals[at("loss_scale")] = scaling.following(_field(before, "loss_scale"), finite)

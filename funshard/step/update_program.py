@@ -1,7 +1,8 @@
 """The step's update of ``adam``, ``adamw`` and ``sgd`` (the Policy's clip in front) over every
 leaf's local shards at once: the compiled step's second program or, made with no options,
 the eager step's foreach ops gated on the device ([Note: an update gated on the device] in
-:mod:`funshard.optim.gated`).
+:mod:`funshard.optim.gated`; the eager step's ``muon`` too, [Note: Muon gated on the
+device] in :mod:`funshard.optim.muon`).
 
 The host works out the step's scalars ([Note: an update the compiler can hold] in
 :mod:`funshard.optim.traced`) and copies them to the device as one small tensor without a
@@ -10,7 +11,7 @@ step. It is made once per (optimizer, leaves' grouping by their scalars). Unlike
 gradients' program it reads nothing of the caller's from Python (the schedule runs on the
 host), so where dynamo would compile it again (gradients that came in another memory
 layout) it does, rather than refuse the step. Any other optimizer (a custom chain,
-``from_torch``, ``muon``) runs its update eagerly after the program.
+``from_torch``, the compiled step's ``muon``) runs its update eagerly after the program.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
 and timed side by side (``python -m benchmarks.update_candidates``, AdamW over the
@@ -34,8 +35,9 @@ import torch
 
 from .. import _compat
 from ..optim import gated
+from ..optim.muon import gated_update as muon_update
 from ..optim import traced as traced_
-from ..optim.base import flatten, locals_of
+from ..optim.base import flatten, locals_of, path_str
 from . import backend
 
 _ids = itertools.count()
@@ -180,9 +182,8 @@ class UpdateProgram:
         """Whether it runs the update eagerly (the eager step's: made with no options)."""
         return self.options is None
 
-    @staticmethod
-    def covers(optimizer) -> bool:
-        return traced_.traceable(getattr(optimizer, "traced", None))
+    def covers(self, optimizer) -> bool:
+        return traced_.traceable(getattr(optimizer, "traced", None), compiled=not self.eager)
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
                  norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
@@ -194,15 +195,40 @@ class UpdateProgram:
         while its verdict is unread; ``reach``: per leaf no rank may have reached, whether
         some rank did, on the device (the eager update's: [Note: a leaf in doubt])."""
         t, grads = optimizer.traced, flatten(grad_tree)[1]
+        if t.kind == "muon":  # the eager step's only (covers: no compiled form)
+            return params, self._muon(t, grads, opt_state, params, step=step, dev=dev,
+                                      reach=reach)
+        return params, self._update(t, grads, opt_state, params, step=step, norm=norm,
+                                    device=device, dev=dev, doubt=doubt, reach=reach)
+
+    def _muon(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
+              dev: torch.Tensor, reach: dict | None) -> Any:
+        """``muon``'s update: its matrices by :func:`funshard.optim.muon.gated_update`, the
+        rest by the other rule's gated update; the state with the other's counts advanced."""
+        paths, leaves, _ = flatten(params)
+        takes = [bool(t.mask(path_str(k), p)) for k, p in zip(paths, leaves)]
+        inner = opt_state.inner_states
+        other = self._update(t.other._replace(clip=t.clip),
+                             [None if m else g for g, m in zip(grads, takes)], inner["other"],
+                             params, step=step, norm=None, device=dev.device, dev=dev,
+                             doubt=None, reach=reach)
+        muon_update(t, [g if m else None for g, m in zip(grads, takes)], inner["muon"],
+                    params, step=step, dev=dev, reach=reach)
+        return opt_state._replace(inner_states={**inner, "other": other})
+
+    def _update(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
+                norm: float | None, device: torch.device, dev: torch.Tensor | None,
+                doubt: tuple | None, reach: dict | None) -> Any:
+        """``t``'s update (adam or sgd) of ``params`` in place; the state it leaves."""
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
-            return params, prep.state
+            return prep.state
         leaves = traced_.leaves_of(prep, t, locals_of(grads), prep.state, params)
         if self.eager:  # the eager step's ([Note: an update gated on the device])
             with torch.no_grad():
                 for part, part_leaves, gate, each in _parts(prep, leaves, dev, reach, t.fused):
                     gated.eager_update(t, part, part_leaves, step, gate, each)
-            return params, prep.state
+            return prep.state
         leaves = tuple(tuple(tuple(_plain(x) for x in leaf) for leaf in group)
                        for group in leaves)
         key = (t.kind, t.hyper, prep.static, tuple(len(g) for g in prep.groups), dev is None)
@@ -217,4 +243,4 @@ class UpdateProgram:
             entry[0](traced_.UPDATES[t.kind], t.hyper, prep.static, leaves,
                      _scalars(prep.scal, device), dev, self._flags(prep, reach, dev, device))
         entry[1] = True
-        return params, prep.state
+        return prep.state
