@@ -188,3 +188,68 @@ def test_a_step_in_doubt_gives_both_cases_scalars(name, steps, skip, seed):
         want = {i: row for group, row in zip(alone.groups, alone.scal[0]) for i in group}
         assert rows == want, (case, rows, want)
     assert both.state == plain.state  # the counts advance as if the step before applied
+
+
+def _piece(kind, fused, lr):
+    O = fs.optim
+    return {"adam": lambda: O.scale_by_adam(0.8, 0.95, 1e-6, fused=fused),
+            "trace": lambda: O.trace(0.9, nesterov=True),
+            "decay": lambda: O.add_decayed_weights(0.05, lambda fqn: fqn.endswith("weight")),
+            "lr": lambda: O.scale_by_learning_rate(O.cosine(lr, 0.0, 5)),
+            "scale": lambda: O.scale(-lr)}[kind]()
+
+
+CORES = {  # the members' order -> the optimizer it is (None: none of them)
+    ("adam", "decay", "lr"): "adamw", ("adam", "lr"): "adamw", ("decay", "adam", "lr"): "adam",
+    ("trace", "lr"): "sgd", ("decay", "trace", "lr"): "sgd",
+    ("adam", "lr", "decay"): None, ("decay", "lr"): None, ("adam", "scale"): None,
+    ("adam", "decay", "decay", "lr"): None, ("trace", "decay", "lr"): None}
+
+
+@settings(max_examples=30, deadline=None)
+@given(core=st.sampled_from(sorted(CORES)), front=st.sampled_from(
+           [(), ("clip",), ("finite", "clip"), ("clip", "finite"), ("clip", "clip")]),
+       nested=st.booleans(), fused=st.booleans(), lr=st.sampled_from([1e-3, 0.1]),
+       steps=st.integers(1, 4), skip=st.sets(st.integers(0, 3), max_size=1),
+       seed=st.integers(0, 99))
+def test_a_chain_of_fs_optims_pieces_is_recognised_by_what_it_does(core, front, nested, fused,
+                                                                   lr, steps, skip, seed):
+    """A law over chains of fs.optim's own transformations (a clip and apply_if_finite in
+    front or not, the rest nested in a chain of its own or not): where the members are one
+    of ``adam``, ``adamw``, ``sgd`` in their chain's order, with one clip at most, the chain
+    has their traced form, and the update it stands for gives the chain's own numbers; any
+    other order (the decay after the learning rate, two decays, a plain scale) has none."""
+    O = fs.optim
+    heads = [O.clip_by_global_norm(0.5 if front[:k].count("clip") == 0 else 2.0) if f == "clip"
+             else O.apply_if_finite() for k, f in enumerate(front)]
+    body = [_piece(k, fused, lr) for k in core]
+    opt = O.chain(*heads, O.chain(*body)) if nested else O.chain(*heads, *body)
+    want = CORES[core]
+    if want == "adam" and fused:
+        want = None  # the fused kernel has no L2 penalty: that chain stays its own
+    if front.count("clip") > 1 or want is None:
+        assert opt.traced is None, (core, front)
+        return
+    t = opt.traced
+    assert t is not None and t.kind == ("sgd" if want == "sgd" else "adam"), t
+    assert t.decoupled == (want == "adamw") and t.clip == (0.5 if "clip" in front else None)
+    grads = _grads(seed, steps, skip)
+    ep, _ = _run(opt, _params(seed), grads, held=False)
+    hp, _ = _run(opt, _params(seed), grads, held=True)
+    for k in SHAPES:
+        exact = want != "sgd" and not fused
+        same = torch.equal(hp[k], ep[k]) if exact else torch.allclose(hp[k], ep[k], rtol=1e-5,
+                                                                      atol=1e-6)
+        assert same, (k, (hp[k] - ep[k]).abs().max())
+
+
+def test_the_named_optimizers_are_their_chains_recognised():
+    """adam, adamw and sgd are plain chains: what they do is read off their members."""
+    mask = lambda fqn: True
+    T = traced.Traced
+    assert fs.optim.adamw(1e-3, (0.8, 0.9), 1e-6, 0.1, mask=mask, fused=True).traced == T(
+        "adam", 1e-3, (0.8, 0.9, 1e-6), 0.1, True, mask, fused=True)
+    assert fs.optim.adam(1e-3, weight_decay=0.1).traced == T("adam", 1e-3, (0.9, 0.999, 1e-8),
+                                                            0.1, False, None)
+    assert fs.optim.sgd(0.1, 0.9, 0.01, dampening=0.5).traced == T("sgd", 0.1, (0.9, 0.5, False),
+                                                                   0.01, False, None)

@@ -97,8 +97,9 @@ def test_dynamic_loss_scale_is_torchs_grad_scaler(pools, spec):
         assert norm_err < (1e-5 if DEVICE == "cpu" else 1e-3), norm_err
         # the parameters: the CPU runs one process's float16 kernels, bit for bit. On a GPU
         # the float16 kernels may round otherwise than one process's (7e-5 in the norm on an
-        # H100, 0.014 in the parameters after 6 steps), and Adam's normalised update turns a rounding flip of a near-zero
-        # gradient into a move of about lr (1e-2) per applied step: there the bound is that
+        # H100, 0.014 in the parameters after 6 steps), and Adam's normalised update turns a
+        # rounding flip of a near-zero gradient into a move of about lr (1e-2) per applied
+        # step: there the bound is that
         assert err < (1e-6 if DEVICE == "cpu" else 2e-2 * (6 - skips)), err
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from .base import Optimizer, ScalarOrSchedule
 from .combine import chain
-from .traced import Traced
 from .transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 
@@ -34,8 +33,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, weight_decay: float = 0.0, 
     """
     return chain(add_decayed_weights(weight_decay, mask),
                  trace(momentum, dampening=dampening, nesterov=nesterov),
-                 scale_by_learning_rate(lr))._replace(
-        traced=Traced("sgd", lr, (momentum, dampening, nesterov), weight_decay, False, mask))
+                 scale_by_learning_rate(lr))
 
 
 def adam(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -43,8 +41,7 @@ def adam(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: f
     """Adam with an L2 penalty, matching ``torch.optim.Adam(foreach=True)``; state
     :class:`AdamState`. Args as :func:`adamw`."""
     return chain(add_decayed_weights(weight_decay, mask), scale_by_adam(*betas, eps),
-                 scale_by_learning_rate(lr))._replace(
-        traced=Traced("adam", lr, (*betas, eps), weight_decay, False, mask))
+                 scale_by_learning_rate(lr))
 
 
 def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -76,5 +73,4 @@ def adamw(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: 
           params, state = opt.update(grads_fn(params), state, params, step=step)
     """
     return chain(scale_by_adam(*betas, eps, fused=fused), add_decayed_weights(weight_decay, mask),
-                 scale_by_learning_rate(lr))._replace(
-        traced=Traced("adam", lr, (*betas, eps), weight_decay, True, mask, fused=fused))
+                 scale_by_learning_rate(lr))

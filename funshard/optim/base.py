@@ -53,20 +53,25 @@ class GradientTransformation(NamedTuple):
     """``init(params) -> state``, ``update(updates, state, params, *, step) -> (updates, state)``.
 
     ``stateless=True`` marks a transformation whose state is always ``EmptyState()``; a chain
-    leaves such states out of its own.
+    leaves such states out of its own. ``form``: what one of fs.optim's own transformations
+    does, as a tuple (``("adam", b1, b2, eps, fused)``, ``("chain", forms)``, ...), from
+    which a chain of them is recognised as ``adam``, ``adamw`` or ``sgd``
+    (:func:`funshard.optim.traced.traced_of`); None: anything else.
     """
 
     init: Callable[[Tree], Tree]
     update: Callable[..., tuple[Tree, Tree]]
     stateless: bool = False
+    form: Any = None
 
 
 class Optimizer(NamedTuple):
     """``init(params) -> state`` and ``update(grads, state, params, *, step) -> (params, state)``.
 
     ``transform`` is the :class:`GradientTransformation` it applies (what ``chain`` composes);
-    ``traced``, where the optimizer is one of ``adam``, ``adamw``, ``sgd``, what it does, in
-    the form a compiled step holds (:class:`funshard.optim.traced.Traced`).
+    ``traced``, where the optimizer is one of ``adam``, ``adamw``, ``sgd`` (a chain of their
+    members, :func:`funshard.optim.traced.traced_of`) or ``muon``, what it does, in the form
+    the step's update program holds (:class:`funshard.optim.traced.Traced`).
     """
 
     init: Callable[[Tree], Tree]

@@ -106,7 +106,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return unflatten(spec, [None if u is None else as_delta(u).scaled(coef)
                                 for u in leaves]), state
 
-    return GradientTransformation(lambda params: EmptyState(), update, True)
+    return GradientTransformation(lambda params: EmptyState(), update, True, ("clip", max_norm))
 
 
 def all_finite(updates: Tree, params: Tree) -> bool:
@@ -141,4 +141,4 @@ def apply_if_finite() -> GradientTransformation:
         _, leaves, spec = flatten(updates)
         return unflatten(spec, [None] * len(leaves)), state
 
-    return GradientTransformation(lambda params: EmptyState(), update, True)
+    return GradientTransformation(lambda params: EmptyState(), update, True, ("finite",))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Union
 import optree
 
 from .apply import as_optimizer
+from .traced import traced_of
 from .base import (EmptyState, GradientTransformation, Optimizer, Tree, flatten, is_none,
                    path_str, unflatten)
 
@@ -61,7 +62,10 @@ def chain(*transforms: Transform) -> Optimizer:
                 own[i] = s
         return updates, pack([own[i] for i in stateful])
 
-    return as_optimizer(GradientTransformation(init, update, not stateful))
+    forms = tuple(("traced", t.traced) if isinstance(t, Optimizer) and t.traced is not None
+                  else u.form for t, u in zip(transforms, ts))
+    return as_optimizer(GradientTransformation(init, update, not stateful, ("chain", forms))
+                        )._replace(traced=traced_of(forms))
 
 
 def _per_leaf(spec_tree: Any, params: Tree, what: str) -> list:

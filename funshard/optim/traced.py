@@ -21,8 +21,10 @@ chain's bit for bit; SGD's last add rounds once more (a multiply, then an add, w
 chain's ``add_(alpha=)`` fuses them); compiled, the fused kernels may round differently
 (float32: about 1e-7 relative).
 
-A chain of other transformations has no such form: the compiled step runs its update
-eagerly, as the eager step does.
+A chain of fs.optim's pieces that is one of these (their members in their order, a clip in
+front or not) has this form too, read off its members' forms (:func:`traced_of`); a chain
+of other transformations has none: the compiled step runs its update eagerly, as the eager
+step does.
 """
 
 from __future__ import annotations
@@ -109,6 +111,62 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
             for k, r in ((0, lr), (1, alt_lr))]
     return Prepared(tuple(tuple(v) for v in rows.values()), static, scal,
                     state._replace(count=count), tuple(lead[0] for lead, _ in rows))
+
+
+def traced_of(forms: tuple) -> Optional[Traced]:
+    """What a chain of transformations whose forms are ``forms`` does, where it is an
+    ``adam``, ``adamw`` or ``sgd`` (their chains' members in their order; a member that is an
+    optimizer with a traced form: ``("traced", t)``), with a global norm clip and
+    ``apply_if_finite`` in front or not; else None. Inside ``fs.train_step``,
+    ``apply_if_finite`` changes nothing: a non-finite step is refused before the optimizer
+    runs, or skipped by the Policy's own in front of it."""
+    flat = _flat(forms)
+    if flat is None:
+        return None
+    clips = [f[1] for f in flat if f[0] == "clip"]
+    lead = next((j for j, f in enumerate(flat) if f[0] not in ("clip", "finite")), len(flat))
+    if len(clips) > 1 or any(f[0] in ("clip", "finite") for f in flat[lead:]):
+        return None
+    t = _core(flat[lead:])
+    if t is None or not clips:
+        return t
+    return None if t.clip is not None else t._replace(clip=clips[0])
+
+
+def _flat(forms: tuple) -> Optional[list]:
+    """The members' forms, nested chains opened; None where some member has none."""
+    out = []
+    for f in forms:
+        if f is None:
+            return None
+        if f[0] == "chain":
+            inner = _flat(f[1])
+            if inner is None:
+                return None
+            out += inner
+        else:
+            out.append(f)
+    return out
+
+
+def _core(forms: list) -> Optional[Traced]:
+    """``adam`` (an L2 penalty first), ``adamw`` (the decay after the direction), ``sgd``,
+    each with its learning rate last: as :mod:`funshard.optim.alias` chains them."""
+    kinds = [f[0] for f in forms]
+    if kinds == ["traced"]:
+        return forms[0][1]
+    if len(forms) < 2 or kinds[-1] != "lr" or kinds.count("decay") > 1:
+        return None
+    lr = forms[-1][1]
+    wd, mask = next(((f[1], f[2]) for f in forms if f[0] == "decay"), (0.0, None))
+    if kinds[:2] == ["adam", "decay"] and len(forms) == 3 or kinds == ["adam", "lr"]:
+        _, b1, b2, eps, fused = forms[0]
+        return Traced("adam", lr, (b1, b2, eps), wd, True, mask, fused=fused)
+    if kinds == ["decay", "adam", "lr"] and not forms[1][4]:  # (fused: no L2 penalty)
+        return Traced("adam", lr, forms[1][1:4], wd, False, mask)
+    if kinds in (["decay", "trace", "lr"], ["trace", "lr"]):
+        return Traced("sgd", lr, forms[-2][1:], wd, False, mask)
+    return None
 
 
 def recount(state: Any, idx) -> Any:

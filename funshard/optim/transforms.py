@@ -126,7 +126,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                     out[i] = Delta(mm, RootDen(vv, bc2_sqrt, eps), divisor=bc1)
         return unflatten(spec, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, form=("adam", b1, b2, eps, fused))
 
 
 def trace(momentum: float, *, dampening: float = 0.0,
@@ -180,7 +180,7 @@ def trace(momentum: float, *, dampening: float = 0.0,
                     del gs, res  # before the next chunk's are made
         return unflatten(spec, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, form=("trace", momentum, dampening, nesterov))
 
 
 def _scale_all(updates: Tree, factor: float) -> Tree:
@@ -200,7 +200,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     check_lr(lr)
     return GradientTransformation(lambda params: EmptyState(),
                                   lambda u, s, p, *, step: (_scale_all(u, -lr_at(lr, step)), s),
-                                  True)
+                                  True, ("lr", lr))
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
@@ -222,8 +222,9 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
                                                        wd_divisor=1.0))
         return unflatten(spec, out), state
 
-    t = GradientTransformation(lambda params: EmptyState(), update, True)
+    form = ("decay", weight_decay, mask)
+    t = GradientTransformation(lambda params: EmptyState(), update, True, form)
     if mask is None:
         return t
     from .combine import masked
-    return masked(t, mask)
+    return masked(t, mask)._replace(form=form)

@@ -11,8 +11,8 @@ the compiled step's program, or the eager step's foreach ops gated on the device
 update gated on the device] in :mod:`funshard.optim.gated`; and the eager step's ``muon``),
 the same all-reduce carries the same sums, and the device works out what the host did:
 ``ok`` (the loss and norm finite, the ranks' gather orders and kinds of loss alike, and no
-earlier step refused and unread) and the clip factor. The update program applies the update where ``ok`` holds
-and keeps every tensor where it does not. The sums come to the host (from pinned memory on
+earlier step refused and unread) and the clip factor. The update program applies the
+update where ``ok`` holds and keeps every tensor where it does not. The sums come to the host (from pinned memory on
 a GPU, without a wait) and are read at the first of: the caller reading ``metrics`` (any
 key), ``fs.state_dict`` or a checkpoint of the returned state, and the start of the step
 after next (the step after next, so that the host waits there for a backward the device

@@ -10,8 +10,10 @@ wait (from pinned memory on a GPU); the program reads them there, so one trace s
 step. It is made once per (optimizer, leaves' grouping by their scalars). Unlike the
 gradients' program it reads nothing of the caller's from Python (the schedule runs on the
 host), so where dynamo would compile it again (gradients that came in another memory
-layout) it does, rather than refuse the step. Any other optimizer (a custom chain,
-``from_torch``, the compiled step's ``muon``) runs its update eagerly after the program.
+layout) it does, rather than refuse the step. A chain of fs.optim's pieces that is one of
+those three counts as it (:func:`~funshard.optim.traced.traced_of`); any other optimizer
+(another chain, ``from_torch``, the compiled step's ``muon``) runs its update eagerly after
+the program.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
 and timed side by side (``python -m benchmarks.update_candidates``, AdamW over the

@@ -1,0 +1,128 @@
+"""Optimizers gated on the device in the eager step (no host read in the step) besides the
+named ``adam``, ``adamw`` and ``sgd``: ``fs.optim.muon``, and a chain of fs.optim's own
+transformations that is one of those three (optax's idiom, a clip in front). Each trains as
+the same optimizer run after the step's host read (its traced form taken off) bit for bit
+(SGD: to float32 rounding), whatever batches are non-finite and whether the policy refuses or
+skips them; a refused step leaves the state passed into it usable, a skipped one counts no
+leaf's update, and neither reads on the host."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import funshard as fs
+from funshard.testing import mesh
+from test_device import _HostReads
+from test_skip_counts import Net
+
+POLICIES = {"refuse": {}, "skip": {"skip_nonfinite": True}, "plain": {}}  # (plain: no NaN)
+
+
+O = fs.optim
+OPTIMIZERS = {
+    "muon": lambda: O.chain(O.clip_by_global_norm(0.5), O.muon(
+        lr=0.02, momentum=0.9, other=O.adamw(lr=1e-2, weight_decay=0.1))),
+    # AdamW written out, with a schedule and a decay mask, behind optax's clip
+    "adamw_chain": lambda: O.chain(
+        O.apply_if_finite(), O.clip_by_global_norm(0.5), O.scale_by_adam(0.8, 0.99),
+        O.add_decayed_weights(0.1, lambda fqn: fqn.endswith("weight")),
+        O.scale_by_learning_rate(O.warmup_cosine(1e-2, 2, 5))),
+    "sgd_chain": lambda: O.chain(O.clip_by_global_norm(0.5),
+                                 O.chain(O.add_decayed_weights(0.01), O.trace(0.9, nesterov=True),
+                                         O.scale_by_learning_rate(0.1))),
+}
+
+
+def _counts(name: str, opt_state) -> dict:
+    return dict((opt_state.inner_states["other"] if name == "muon" else opt_state).count)
+
+
+def through(spec, name: str, gated: bool, policy: str, bads: tuple, steps: int = 5):
+    """Train ``steps`` batches, NaN at ``bads``, reading each step's loss; at a refusal go on
+    from the state passed into the refused step, with the batch after it. The refusals (the
+    batch whose read raised), the counts, the other rule's counts, the host reads the steps
+    made, and the final parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    model.a.bias.requires_grad_(False)  # frozen: no count, the later leaves move in the order
+
+    def loss_fn(p, batch):
+        return nn.functional.mse_loss(fs.call(model, p, batch[0]), batch[1])
+
+    opt = OPTIMIZERS[name]()
+    assert opt.traced is not None  # the device gates it
+    step = fs.train_step(loss_fn, opt if gated else opt._replace(traced=None),
+                         policy=fs.Policy(**POLICIES[policy]))
+    state = step.init(fs.shard(fs.params(model), mesh(spec)))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 2, generator=g))
+            for _ in range(steps)]
+    rows = slice(2 * rank, 2 * rank + 2)
+    refusals, inputs, reads, i = [], {}, {}, 0
+    while i < steps:
+        x, y = data[i]
+        inputs[i] = state
+        seen = _HostReads()
+        try:
+            with seen:
+                new, metrics = step(state, (x[rows], y[rows] * (float("nan") if i in bads
+                                                                else 1.0)))
+            float(metrics["loss"])
+        except FloatingPointError:
+            refusals.append(i)
+            state, i = inputs[i], i + 1
+            continue
+        finally:
+            for k, n in seen.seen.items():
+                reads[k.split(":")[0]] = reads.get(k.split(":")[0], 0) + n
+        state, i = new, i + 1
+    full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    return refusals, (state.step, state.skipped), _counts(name, state.opt_state), reads, full
+
+
+def _same(name: str, a: dict, b: dict) -> None:
+    for k in b:
+        if name == "sgd_chain":  # (the gated update's last add rounds once more)
+            assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
+        else:
+            assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max().item())
+
+
+@settings(max_examples=8, deadline=None)
+@given(name=st.sampled_from(sorted(OPTIMIZERS)), bads=st.sets(st.integers(0, 4), max_size=2),
+       policy=st.sampled_from(sorted(POLICIES)))
+def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, policy):
+    """A law over the optimizer, which batches are NaN and the policy: gated, its refusals,
+    counts and parameters are those of the same optimizer run after the host read, on 2
+    ranks (Muon: each matrix orthogonalised on its owner), and its steps read nothing on
+    the host."""
+    bads = tuple(sorted(bads)) if policy != "plain" else ()
+    for (gr, gc, gk, greads, gp), (rr, rc, rk, rreads, rp) in zip(
+            pools.run(2, through, name, True, policy, bads),
+            pools.run(2, through, name, False, policy, bads)):
+        assert gr == rr == ([] if policy == "skip" else list(bads)), (gr, rr, bads)
+        assert gc == rc and gk == rk, (gc, rc, gk, rk)
+        skipped = len(bads) if policy == "skip" else 0
+        assert gc == (5 - (0 if policy == "skip" else len(bads)), skipped), gc
+        assert gk["a.bias"] is None, gk  # frozen
+        assert gk["a.weight"] is (None if name == "muon" else 5 - len(bads)), gk  # (Muon's)
+        assert gk["b.bias"] == 5 - len(bads), gk  # the counts: updates applied
+        assert greads == {}, greads
+        assert "step/update.py" in rreads, rreads
+        _same(name, gp, rp)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("spec", [1, "2x2"], ids=str)
+def test_gated_skips_as_read_on_the_host_on_any_mesh(pools, spec, name):
+    """One process and a 2x2 mesh (Muon: each replica group orthogonalises on its own): a
+    skipped batch and a clip, the gated update's parameters and counts are the host-read
+    one's."""
+    for (_, gc, gk, greads, gp), (_, rc, rk, _, rp) in zip(
+            pools.run(spec, through, name, True, "skip", (1,)),
+            pools.run(spec, through, name, False, "skip", (1,))):
+        assert gc == rc == (5, 1) and gk == rk and greads == {}, (gc, rc, gk, greads)
+        _same(name, gp, rp)
