@@ -214,6 +214,13 @@ def _row(t: Traced, key: tuple, coef: float, lr: float) -> list[float]:
     return [coef, -lr / bc1, bc2, 1 + t.weight_decay * -lr if decay and t.decoupled else 1.0]
 
 
+def scalars(rows: list, device: torch.device) -> torch.Tensor:
+    """``rows`` as a float32 tensor on ``device``, copied without waiting for it."""
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.float32, device=device)
+    return torch.tensor(rows, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+
+
 def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tree) -> tuple:
     """The program's tensor inputs: per group, its leaves' (gradient, param, state...)
     local tensors."""

@@ -53,13 +53,6 @@ def _update(fn, hyper, static, groups, scal, dev, reach):
     return fn(hyper, static, groups, scal, dev[:2] if dev is not None else None, reach)
 
 
-def _scalars(rows: list, device: torch.device) -> torch.Tensor:
-    """``rows`` as a float32 tensor on ``device``, copied without waiting for it."""
-    if device.type != "cuda":
-        return torch.tensor(rows, dtype=torch.float32, device=device)
-    return torch.tensor(rows, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
-
-
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where it is a view (of a bucket, a loaded checkpoint's buffer) the same
     storage without the view's base: dynamo guards a view's base, which would make the
@@ -243,6 +236,6 @@ class UpdateProgram:
         logs = (contextlib.nullcontext() if entry[1] else _compat.tracing_without_logs(set()))
         with torch.no_grad(), logs:
             entry[0](traced_.UPDATES[t.kind], t.hyper, prep.static, leaves,
-                     _scalars(prep.scal, device), dev, self._flags(prep, reach, dev, device))
+                     traced_.scalars(prep.scal, device), dev, self._flags(prep, reach, dev, device))
         entry[1] = True
         return prep.state
