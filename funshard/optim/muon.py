@@ -17,7 +17,7 @@ does this on its own (replicas hold the same shards, so they compute the same nu
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,7 +29,7 @@ from .alias import adamw
 from .base import (Delta, GradientTransformation, Optimizer, Tree, check_held, flatten, local,
                    lr_at, path_str, unflatten, zeros_tree)
 from .combine import chain, multi_transform
-from .traced import Traced, traceable
+from .traced import Traced, scalars, traceable
 from .transforms import active, add_decayed_weights, scale_by_learning_rate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -217,22 +217,30 @@ def muon(lr=1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: b
                       other=rest) if gated else None)
 
 
-# [Note: Muon gated on the device] The eager step's update without a host read ([Note: a step
-# that reads nothing] in funshard.step.deferred) runs Muon's own ops with the step's ``(clip
-# factor, ok)`` on the device: the momentum and the parameter are worked out new, and each
-# takes its new value where ``ok`` holds (and, for a leaf this rank left unreached, where some
-# rank reached it), else keeps its old one. Each matrix's orthogonalisation and its two
-# all-to-alls run either way, so every rank takes part in the same collectives. The ops are
-# the chain's in its order (the clip's factor, the momentum's lerp, ``p *= 1 - lr * wd``,
-# ``p += -lr * ratio * direction``), so where ``ok`` holds the numbers are the chain's; the
-# leaves Muon does not take go through the other rule's gated update.
+# [Note: Muon gated on the device] The step's update without a host read ([Note: a step that
+# reads nothing] in funshard.step.deferred) runs Muon's own ops with the step's ``(clip factor,
+# ok)`` on the device: the momentum and the parameter are worked out new, and each takes its
+# new value where ``ok`` holds (and, for a leaf this rank left unreached, where some rank
+# reached it), else keeps its old one. Each matrix's orthogonalisation and its two
+# all-to-alls run either way, so every rank takes part in the same collectives; they run
+# eagerly in the compiled step too (the collectives' split sizes are the host's), after its
+# gradients' program. The ops are the chain's in its order (the clip's factor, the momentum's
+# lerp, ``p *= 1 - lr * wd``, ``p += -lr * ratio * direction``), so where ``ok`` holds the
+# numbers are the chain's. Where the step before's verdict is unread and a schedule gives
+# the two cases different learning rates (the compiled step under ``skip_nonfinite``: [Note:
+# two counts in doubt] in funshard.step.deferred), the scalars of both go to the device and
+# the step before's verdict there chooses. The leaves Muon does not take go through the other
+# rule's update.
 
 
 def gated_update(t: Traced, grads: list, state: MuonState, params: Tree, *, step: int,
-                 dev: torch.Tensor, reach: Optional[dict] = None) -> None:
+                 norm: Optional[float] = None, dev: Optional[torch.Tensor] = None,
+                 doubt: Optional[tuple] = None, reach: Optional[dict] = None) -> None:
     """Muon's update of the leaves with a gradient in ``grads`` (local tensors or DTensors,
-    None elsewhere), in place, gated by ``dev``'s ``(clip factor, ok)`` and ``reach``'s flag
-    per leaf ([Note: Muon gated on the device])."""
+    None elsewhere), in place: gated by ``dev``'s ``(clip factor, ok, the step before
+    applied)`` and ``reach``'s flag per leaf, or (``dev`` None) with ``norm`` the step's
+    global norm read on the host; ``doubt``: the step before's verdict is unread ([Note:
+    Muon gated on the device])."""
     momentum, nesterov, coefficients, eps, ns_steps, adjust_lr_fn = t.hyper
     paths, p_leaves, _ = flatten(params)
     idx = [i for i, g in enumerate(grads) if g is not None]
@@ -240,10 +248,14 @@ def gated_update(t: Traced, grads: list, state: MuonState, params: Tree, *, step
     check_held(paths, idx, bufs)
     if not idx:
         return
-    gain, ok = dev[0], dev[1] > 0
-    lr = lr_at(t.lr, step)
+    if dev is None:
+        gain = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
+        keeps = [None] * len(idx)
+    else:
+        gain, ok = dev[0], dev[1] > 0
+        keeps = [ok if reach is None or i not in reach else ok & reach[i] for i in idx]
+    alphas, shrink = _scales(t, [p_leaves[i].shape for i in idx], step, dev, doubt)
     ns = lambda x: newton_schulz(x, coefficients, ns_steps, eps)
-    keeps = [ok if reach is None or i not in reach else ok & reach[i] for i in idx]
     with torch.no_grad():
         us = []
         for i, keep in zip(idx, keeps):
@@ -252,12 +264,30 @@ def gated_update(t: Traced, grads: list, state: MuonState, params: Tree, *, step
             g = local(grads[i]).to(p.dtype) * gain
             b2 = buf.lerp(g, 1 - momentum)
             us.append((g.lerp(b2, momentum) if nesterov else b2).bfloat16())
-            buf.copy_(torch.where(keep, b2, buf))  # (the new momentum: one leaf's at a time)
+            _put(buf, b2, keep)  # (the new momentum: one leaf's at a time)
         out = _directions(us, [p_leaves[i] for i in idx], [paths[i] for i in idx], ns)
-        shrink = 1 + t.weight_decay * (-lr / 1.0)
-        for i, o, keep in zip(idx, out, keeps):
+        for i, o, keep, alpha in zip(idx, out, keeps, alphas):
             p = local(p_leaves[i])
-            ratio = adjusted_ratio(p_leaves[i].shape, adjust_lr_fn)
-            p2 = (p.mul(shrink) if t.weight_decay != 0.0 else p).add(
-                o.to(p.dtype), alpha=ratio * -lr / 1.0)
-            p.copy_(torch.where(keep, p2, p))
+            p2 = p.mul(shrink) if t.weight_decay != 0.0 else p
+            o = o.to(p.dtype)
+            _put(p, p2.add(o, alpha=alpha) if isinstance(alpha, float) else p2 + o * alpha, keep)
+
+
+def _put(old: torch.Tensor, new: torch.Tensor, keep) -> None:
+    old.copy_(new if keep is None else torch.where(keep, new, old))
+
+
+def _scales(t: Traced, shapes: list, step: int, dev, doubt) -> tuple[list, Any]:
+    """Per matrix ``-lr * ratio``, and ``1 - lr * wd``, as the chain forms them: Python
+    floats, or where the step before's verdict is unread and the two cases differ, float32
+    on the device, the verdict's choice."""
+    rows = []
+    for n in (step, step - 1) if doubt is not None and dev is not None else (step,):
+        lr = lr_at(t.lr, n)
+        rows.append([adjusted_ratio(s, t.hyper[5]) * -lr / 1.0 for s in shapes]
+                    + [1 + t.weight_decay * (-lr / 1.0)])
+    if len(rows) == 1 or rows[0] == rows[1]:
+        return rows[0][:-1], rows[0][-1]
+    both = scalars(rows, dev.device)
+    chosen = torch.where(dev[2] > 0, both[0], both[1])
+    return list(chosen[:-1].unbind()), chosen[-1]

@@ -40,8 +40,9 @@ from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, 
 class Traced(NamedTuple):
     """What an ``adam``, ``adamw`` or ``sgd`` chain does, for :func:`prepare`; or a
     ``muon`` (kind ``"muon"``): its own hyperparameters, ``mask`` the ``(fqn, param) ->
-    bool`` of the leaves it takes, ``other`` the rest's (the eager step gates it on the
-    device, :func:`funshard.optim.muon.gated_update`; no compiled form)."""
+    bool`` of the leaves it takes, ``other`` the rest's (its matrices' update runs eagerly,
+    gated on the device, in the compiled step too: :func:`funshard.optim.muon.gated_update`;
+    the rest's as ``other``'s)."""
 
     kind: str  # "adam", "sgd" or "muon"
     lr: ScalarOrSchedule
@@ -196,6 +197,8 @@ def uncount(count: Tree, idx) -> Tree:
 def decided(t: Traced, state: Any, doubt: tuple, step: int) -> bool:
     """Whether one program serves both cases of ``doubt``: SGD's first update of a leaf is
     fixed in the trace, and a leaf first updated by the step in doubt is first or not."""
+    if t.kind == "muon":  # (its matrices' scalars are chosen on the device)
+        return decided(t.other, state.inner_states["other"], doubt, step)
     if t.kind != "sgd" or _stateless(t):
         return True
     if state.count is None:
@@ -312,10 +315,9 @@ def sgd_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,
 UPDATES = {"adam": adam_update, "sgd": sgd_update}
 
 
-def traceable(t: Optional[Traced], compiled: bool = True) -> bool:
-    """Whether the update program covers ``t``: :func:`prepare` does (a ``muon``, only the
-    eager step's)."""
-    return t is not None and (t.kind != "muon" or not compiled)
+def traceable(t: Optional[Traced]) -> bool:
+    """Whether the update program covers ``t``."""
+    return t is not None
 
 
 def _stateless(t: Traced) -> bool:

@@ -8,7 +8,7 @@ idle while the update is issued (:mod:`funshard.step.update` does so still, for 
 optimizers the device cannot gate). Here, for an update an
 :class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
 the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
-update gated on the device] in :mod:`funshard.optim.gated`; and the eager step's ``muon``),
+update gated on the device] in :mod:`funshard.optim.gated`; and ``muon``),
 the same all-reduce carries the same sums, and the device works out what the host did:
 ``ok`` (the loss and norm finite, the ranks' gather orders and kinds of loss alike, and no
 earlier step refused and unread) and the clip factor. The update program applies the

@@ -1,8 +1,9 @@
 """The step's update of ``adam``, ``adamw`` and ``sgd`` (the Policy's clip in front) over every
 leaf's local shards at once: the compiled step's second program or, made with no options,
 the eager step's foreach ops gated on the device ([Note: an update gated on the device] in
-:mod:`funshard.optim.gated`; the eager step's ``muon`` too, [Note: Muon gated on the
-device] in :mod:`funshard.optim.muon`).
+:mod:`funshard.optim.gated`); and ``muon``: its matrices eagerly, gated on the device, in
+both steps ([Note: Muon gated on the device] in :mod:`funshard.optim.muon`), the rest as
+its other rule.
 
 The host works out the step's scalars ([Note: an update the compiler can hold] in
 :mod:`funshard.optim.traced`) and copies them to the device as one small tensor without a
@@ -12,8 +13,7 @@ gradients' program it reads nothing of the caller's from Python (the schedule ru
 host), so where dynamo would compile it again (gradients that came in another memory
 layout) it does, rather than refuse the step. A chain of fs.optim's pieces that is one of
 those three counts as it (:func:`~funshard.optim.traced.traced_of`); any other optimizer
-(another chain, ``from_torch``, the compiled step's ``muon``) runs its update eagerly after
-the program.
+(another chain, ``from_torch``) runs its update eagerly after the program.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
 and timed side by side (``python -m benchmarks.update_candidates``, AdamW over the
@@ -177,8 +177,9 @@ class UpdateProgram:
         """Whether it runs the update eagerly (the eager step's: made with no options)."""
         return self.options is None
 
-    def covers(self, optimizer) -> bool:
-        return traced_.traceable(getattr(optimizer, "traced", None), compiled=not self.eager)
+    @staticmethod
+    def covers(optimizer) -> bool:
+        return traced_.traceable(getattr(optimizer, "traced", None))
 
     def __call__(self, optimizer, grad_tree: Any, opt_state: Any, params: Any, *, step: int,
                  norm: float | None, device: torch.device, dev: torch.Tensor | None = None,
@@ -190,25 +191,23 @@ class UpdateProgram:
         while its verdict is unread; ``reach``: per leaf no rank may have reached, whether
         some rank did, on the device (the eager update's: [Note: a leaf in doubt])."""
         t, grads = optimizer.traced, flatten(grad_tree)[1]
-        if t.kind == "muon":  # the eager step's only (covers: no compiled form)
-            return params, self._muon(t, grads, opt_state, params, step=step, dev=dev,
-                                      reach=reach)
-        return params, self._update(t, grads, opt_state, params, step=step, norm=norm,
-                                    device=device, dev=dev, doubt=doubt, reach=reach)
+        kw = dict(step=step, norm=norm, device=device, dev=dev, doubt=doubt, reach=reach)
+        if t.kind == "muon":
+            return params, self._muon(t, grads, opt_state, params, **kw)
+        return params, self._update(t, grads, opt_state, params, **kw)
 
-    def _muon(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
-              dev: torch.Tensor, reach: dict | None) -> Any:
-        """``muon``'s update: its matrices by :func:`funshard.optim.muon.gated_update`, the
-        rest by the other rule's gated update; the state with the other's counts advanced."""
+    def _muon(self, t, grads: list, opt_state: Any, params: Any, **kw) -> Any:
+        """``muon``'s update: its matrices by :func:`funshard.optim.muon.gated_update`
+        (eagerly, in the compiled step too: their all-to-alls), the rest by the other rule's
+        update; the state with the other's counts advanced."""
         paths, leaves, _ = flatten(params)
         takes = [bool(t.mask(path_str(k), p)) for k, p in zip(paths, leaves)]
         inner = opt_state.inner_states
         other = self._update(t.other._replace(clip=t.clip),
                              [None if m else g for g, m in zip(grads, takes)], inner["other"],
-                             params, step=step, norm=None, device=dev.device, dev=dev,
-                             doubt=None, reach=reach)
+                             params, **kw)
         muon_update(t, [g if m else None for g, m in zip(grads, takes)], inner["muon"],
-                    params, step=step, dev=dev, reach=reach)
+                    params, **{k: v for k, v in kw.items() if k != "device"})
         return opt_state._replace(inner_states={**inner, "other": other})
 
     def _update(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
