@@ -8,14 +8,14 @@ idle while the update is issued (:mod:`funshard.step.update` does so still, for 
 optimizers the device cannot gate). Here, for an update an
 :class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
 the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
-update gated on the device] in :mod:`funshard.optim.gated`; and ``muon``),
-the same all-reduce carries the same sums, and the device works out what the host did:
-``ok`` (the loss and norm finite, the ranks' gather orders and kinds of loss alike, and no
-earlier step refused and unread) and the clip factor. The update program applies the
-update where ``ok`` holds and keeps every tensor where it does not. The sums come to the host (from pinned memory on
-a GPU, without a wait) and are read at the first of: the caller reading ``metrics`` (any
-key), ``fs.state_dict`` or a checkpoint of the returned state, and the start of the step
-after next (the step after next, so that the host waits there for a backward the device
+update gated on the device] in :mod:`funshard.optim.gated`; and ``muon``), the same
+all-reduce carries the same sums, and the device works out what the host did: ``ok`` (the
+loss and norm finite, the ranks' gather orders and kinds of loss alike, and no earlier step
+refused and unread) and the clip factor. The update program applies the update where
+``ok`` holds and keeps every tensor where it does not. The sums come to the host (from
+pinned memory on a GPU, without a wait) and are read at the first of: the caller reading
+``metrics`` (any key), ``fs.state_dict`` or a checkpoint of the returned state, and the
+start of the step after next (the step after next, so that the host waits there for a backward the device
 finished long before: the host stays a step ahead). A check that failed raises there, with
 the message a step that reads gives, on every rank at the same step; the state passed into
 the refused step is then usable again (its tensors kept their values on the device, the
