@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -362,3 +363,32 @@ def lr_at(lr: ScalarOrSchedule, step: int) -> float:
     value = float(lr(step)) if callable(lr) else float(lr)
     check(f"lr (schedule value at step {step})", value, value >= 0.0, "lr >= 0")
     return value
+
+
+def per_leaf(spec_tree: Any, params: Tree, what: str) -> list:
+    """A value per params leaf from a callable ``fqn -> value`` or a (prefix) tree of values."""
+    paths, leaves, _ = flatten(params)
+    if callable(spec_tree):
+        try:
+            two = len(inspect.signature(spec_tree).parameters) == 2
+        except (TypeError, ValueError):
+            two = False
+        return [spec_tree(path_str(p), x) if two else spec_tree(path_str(p))
+                for p, x in zip(paths, leaves)]
+    try:
+        full = optree.tree_broadcast_prefix(spec_tree, params, is_leaf=is_none,
+                                            none_is_leaf=False, namespace="funshard")
+    except ValueError as e:
+        raise ValueError(f"{what}: the tree of {what}s is not a prefix of the params tree "
+                         f"(leaves {[path_str(p) for p in paths[:4]]}...): {e}") from None
+    return flatten(full)[1]
+
+
+def mask_flags(mask: Union[Tree, Callable[[str], bool]], params: Tree) -> list[bool]:
+    """``mask``'s flag per params leaf (see :func:`funshard.optim.combine.masked`); a flag
+    that is not a bool is refused, naming its leaf."""
+    flags = per_leaf(mask, params, "mask")
+    for p, f in zip(flatten(params)[0], flags):
+        if not isinstance(f, bool):
+            raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
+    return flags

@@ -10,15 +10,12 @@ and ``multi_transform`` (a transformation per label), as in optax.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Hashable, NamedTuple, Union
-
-import optree
 
 from .apply import as_optimizer
 from .traced import traced_of
-from .base import (EmptyState, GradientTransformation, Optimizer, Tree, flatten, is_none,
-                   path_str, unflatten)
+from .base import (EmptyState, GradientTransformation, Optimizer, Tree, flatten, mask_flags,
+                   path_str, per_leaf, unflatten)
 
 Transform = Union[GradientTransformation, Optimizer]
 
@@ -68,38 +65,9 @@ def chain(*transforms: Transform) -> Optimizer:
                         )._replace(traced=traced_of(forms))
 
 
-def _per_leaf(spec_tree: Any, params: Tree, what: str) -> list:
-    """A value per params leaf from a callable ``fqn -> value`` or a (prefix) tree of values."""
-    paths, leaves, _ = flatten(params)
-    if callable(spec_tree):
-        try:
-            two = len(inspect.signature(spec_tree).parameters) == 2
-        except (TypeError, ValueError):
-            two = False
-        return [spec_tree(path_str(p), x) if two else spec_tree(path_str(p))
-                for p, x in zip(paths, leaves)]
-    try:
-        full = optree.tree_broadcast_prefix(spec_tree, params, is_leaf=is_none,
-                                            none_is_leaf=False, namespace="funshard")
-    except ValueError as e:
-        raise ValueError(f"{what}: the tree of {what}s is not a prefix of the params tree "
-                         f"(leaves {[path_str(p) for p in paths[:4]]}...): {e}") from None
-    return flatten(full)[1]
-
-
 def _restrict(tree: Tree, keep: list[bool]) -> Tree:
     _, leaves, spec = flatten(tree)
     return unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
-
-
-def mask_flags(mask: Union[Tree, Callable[[str], bool]], params: Tree) -> list[bool]:
-    """``mask``'s flag per params leaf (see :func:`masked`); a flag that is not a bool is
-    refused, naming its leaf."""
-    flags = _per_leaf(mask, params, "mask")
-    for p, f in zip(flatten(params)[0], flags):
-        if not isinstance(f, bool):
-            raise TypeError(f"masked: the mask at {path_str(p)} is {f!r}; use True or False")
-    return flags
 
 
 def masked(inner: Transform, mask: Union[Tree, Callable[[str], bool]]) -> GradientTransformation:
@@ -149,7 +117,7 @@ def multi_transform(transforms: dict[Hashable, Transform],
     ts = {k: as_transform(t, f"multi_transform[{k!r}]") for k, t in transforms.items()}
 
     def labels_of(params: Tree) -> list:
-        out = _per_leaf(labels, params, "label")
+        out = per_leaf(labels, params, "label")
         for p, lab in zip(flatten(params)[0], out):
             if lab not in ts:
                 raise ValueError(f"multi_transform: leaf {path_str(p)} has label {lab!r}, which "

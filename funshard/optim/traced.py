@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, locals_of,
-                   lr_at, unflatten)
+                   lr_at, mask_flags, unflatten)
 
 
 class Traced(NamedTuple):
@@ -72,7 +72,6 @@ def _decays(t: Traced, params: Tree) -> list[bool]:
     """Which leaves decay: the mask's flags, refused as ``masked`` refuses them."""
     if t.mask is None or t.weight_decay == 0.0:
         return [t.weight_decay != 0.0] * len(flatten(params)[1])
-    from .combine import mask_flags  # (combine imports the chains' modules)
     return mask_flags(t.mask, params)
 
 
