@@ -29,7 +29,7 @@ from .alias import adamw
 from .base import (Delta, GradientTransformation, Optimizer, Tree, check_held, flatten, local,
                    lr_at, path_str, unflatten, zeros_tree)
 from .combine import chain, multi_transform
-from .traced import Traced, scalars, traceable
+from .traced import Traced, clip_factor, scalars, traceable
 from .transforms import active, add_decayed_weights, scale_by_learning_rate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -249,7 +249,7 @@ def gated_update(t: Traced, grads: list, state: MuonState, params: Tree, *, step
     if not idx:
         return
     if dev is None:
-        gain = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
+        gain = clip_factor(t, norm)
         keeps = [None] * len(idx)
     else:
         gain, ok = dev[0], dev[1] > 0

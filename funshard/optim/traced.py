@@ -96,7 +96,7 @@ def prepare(t: Traced, grads: list, state: Any, params: Tree, *, step: int,
         prior, count = advance_counts(state.count, len(grads), idx, step)
         alt = prior if doubt is None else advance_counts(uncount(state.count, doubt),
                                                          len(grads), idx, alt_step)[0]
-    coef = 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
+    coef = clip_factor(t, norm)
     lr, alt_lr, decays = lr_at(t.lr, step), lr_at(t.lr, alt_step), _decays(t, params)
     rows: dict[tuple, list[int]] = {}
     for i in idx:  # a count each way, or SGD's first (alike both ways: see decided())
@@ -178,6 +178,12 @@ def recount(state: Any, idx) -> Any:
     if "count" in getattr(type(state), "_fields", ()):  # (a tuple's own count is a method)
         return state._replace(count=uncount(state.count, idx))
     return state
+
+
+def clip_factor(t: Traced, norm: Optional[float]) -> float:
+    """The clip's factor for the step's global norm read on the host (``clip_by_global_norm``'s
+    rule); 1 without a clip, or where the norm stays on the device (None)."""
+    return 1.0 if t.clip is None or norm is None else min(1.0, t.clip / (norm + 1e-6))
 
 
 def uncount(count: Tree, idx) -> Tree:
