@@ -38,6 +38,8 @@ OPTIMIZERS = {
     "fused_adamw": lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1, fused=True),
     "muon": lambda: fs.optim.muon(lr=1e-2, other=fs.optim.adamw(lr=1e-2)),
     "from_torch": lambda: fs.optim.from_torch(torch.optim.Adam, lr=1e-2),
+    # torch's fused kernel takes the step's verdict on the device (found_inf)
+    "from_torch_fused": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True),
 }
 
 
@@ -338,10 +340,10 @@ def test_a_step_unread_reads_the_step_before_last(pools, spec, policy, compiled)
 def test_the_optimizers_read_nothing(pools, optimizer):
     """fs.optim's optimizers make no host read (torch.optim through from_torch reads its
     own CPU step counters, which wait for no device). ``adam``, ``adamw`` (its fused kernel
-    too), ``sgd`` and ``muon`` are gated on the device; the rest (a custom chain) run after
-    the step's one read of its metrics."""
+    too), ``sgd``, ``muon`` and torch's fused AdamW are gated on the device; the rest (a
+    custom chain) run after the step's one read of its metrics."""
     for rank, (seen, read, _) in enumerate(pools.run(2, host_reads, {}, optimizer)):
-        if optimizer in ("adamw", "sgd", "fused_adamw", "muon"):
+        if optimizer in ("adamw", "sgd", "fused_adamw", "muon", "from_torch_fused"):
             assert seen == {} and sum(read.values()) == 1, (rank, seen, read)
         else:
             assert sum(seen.values()) == 1 and read == {}, (rank, seen, read)

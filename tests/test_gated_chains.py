@@ -1,6 +1,7 @@
 """Optimizers gated on the device in the eager step (no host read in the step) besides the
-named ``adam``, ``adamw`` and ``sgd``: ``fs.optim.muon``, and a chain of fs.optim's own
-transformations that is one of those three (optax's idiom, a clip in front). Each trains as
+named ``adam``, ``adamw`` and ``sgd``: ``fs.optim.muon``, a chain of fs.optim's own
+transformations that is one of those three (optax's idiom, a clip in front), and torch's
+fused AdamW through ``from_torch`` (its kernel's ``found_inf``). Each trains as
 the same optimizer run after the step's host read (its traced form taken off) bit for bit
 (SGD: to float32 rounding), whatever batches are non-finite and whether the policy refuses or
 skips them; a refused step leaves the state passed into it usable, a skipped one counts no
@@ -15,6 +16,8 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import funshard as fs
+from funshard.optim.base import local
+from funshard.optim.with_policy import with_policy
 from funshard.testing import mesh
 from test_device import _HostReads
 from test_skip_counts import Net
@@ -36,6 +39,10 @@ OPTIMIZERS = {
     "muon_schedules": lambda: O.chain(O.clip_by_global_norm(0.5), O.muon(
         lr=O.linear(0.02, 0.005, 5), momentum=0.9,
         other=O.adamw(O.warmup_cosine(1e-2, 2, 5), weight_decay=0.1))),
+    # torch's fused AdamW (its kernel takes the verdict as found_inf), a schedule and a clip
+    "torch_adamw_fused": lambda: with_policy(O.from_torch(
+        torch.optim.AdamW, lr=O.warmup_cosine(1e-2, 2, 5), weight_decay=0.1, fused=True),
+        clip_norm=0.5),
     "sgd_chain": lambda: O.chain(O.clip_by_global_norm(0.5),
                                  O.chain(O.add_decayed_weights(0.01), O.trace(0.9, nesterov=True),
                                          O.scale_by_learning_rate(0.1))),
@@ -43,8 +50,16 @@ OPTIMIZERS = {
 
 
 def _counts(name: str, opt_state) -> dict:
+    if name.startswith("torch"):  # the updates torch took, and its own step count
+        return {k: None if n is None else (int(local(n).item()), float(local(s).item()))
+                for (k, n), s in zip(opt_state.stepped.items(),
+                                     opt_state.state["step"].values())}
     return dict((opt_state.inner_states["other"] if name.startswith("muon")
                  else opt_state).count)
+
+
+def _updates(name: str, counts: dict, key: str):
+    return counts[key][0] if name.startswith("torch") and counts[key] else counts[key]
 
 
 def through(spec, name: str, gated: bool, policy: str, bads: tuple, steps: int = 5):
@@ -122,14 +137,16 @@ def compiled_or_not(spec, name: str, compile, bads: tuple, read: bool, steps: in
 
 
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
-@pytest.mark.parametrize("name", ["muon", "muon_schedules"])
-def test_the_compiled_step_gates_muon_as_the_eager_step(pools, name, read):
-    """The compiled step runs Muon's matrices eagerly, gated on the device as the eager
-    step does (the rest in its update program), and reads nothing on the host: with the
-    metrics read, no read in a step; unread, only the step before last's verdict at a
-    step's start (as with adamw). Skipped batches (the second, the fourth: with the
-    verdicts unread, each step's scalars in both cases), counts and parameters as the
-    eager step's (the program's fused ops: within 1e-5)."""
+@pytest.mark.parametrize("name", ["muon", "muon_schedules", "torch_adamw_fused"])
+def test_the_compiled_step_gates_as_the_eager_step(pools, name, read):
+    """The compiled step runs Muon's matrices (torch's fused AdamW: all of it) eagerly,
+    gated on the device as the eager step does (the rest in its update program), and reads
+    nothing on the host: with the metrics read, no read in a step; unread, one earlier
+    verdict at a step's start (Muon: the step before last's, as with adamw; torch's: the
+    step before's, whose count its learning rate on the host takes, as in the eager step).
+    Skipped batches (the second, the fourth: with the verdicts unread, each step's scalars
+    in both cases), counts and parameters as the eager step's (the program's fused ops:
+    within 1e-5)."""
     bads = (1, 3)
     for (er, ec, ek, ep), (cr, cc, ck, cp) in zip(
             pools.run(2, compiled_or_not, name, False, bads, read),
@@ -160,7 +177,17 @@ def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, polic
     counts and parameters are those of the same optimizer run after the host read, on 2
     ranks (Muon: each matrix orthogonalised on its owner), and its steps read nothing on
     the host."""
-    bads = tuple(sorted(bads)) if policy != "plain" else ()
+    _law(pools, name, tuple(sorted(bads)) if policy != "plain" else (), policy)
+
+
+@pytest.mark.parametrize("policy", ["refuse", "skip"])
+def test_torch_fused_gated_as_read_on_two_ranks(pools, policy):
+    """The law for torch's fused AdamW on 2 ranks, the second and fourth batches NaN: its
+    kernel skips them on the device (found_inf) as the read step skips or refuses them."""
+    _law(pools, "torch_adamw_fused", (1, 3), policy)
+
+
+def _law(pools, name: str, bads: tuple, policy: str) -> None:
     for (gr, gc, gk, greads, gp), (rr, rc, rk, rreads, rp) in zip(
             pools.run(2, through, name, True, policy, bads),
             pools.run(2, through, name, False, policy, bads)):
@@ -169,8 +196,9 @@ def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, polic
         skipped = len(bads) if policy == "skip" else 0
         assert gc == (5 - (0 if policy == "skip" else len(bads)), skipped), gc
         assert gk["a.bias"] is None, gk  # frozen
-        assert gk["a.weight"] == (None if name.startswith("muon") else 5 - len(bads)), gk
-        assert gk["b.bias"] == 5 - len(bads), gk  # the counts: updates applied
+        assert _updates(name, gk, "a.weight") == (None if name.startswith("muon")
+                                                  else 5 - len(bads)), gk
+        assert _updates(name, gk, "b.bias") == 5 - len(bads), gk  # updates applied
         assert greads == {}, greads
         assert "step/update.py" in rreads, rreads
         _same(name, gp, rp)

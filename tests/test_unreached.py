@@ -27,6 +27,11 @@ OPTIMIZERS = {
     # torch.optim on the shards: skips a None gradient, with AdamW's own per-leaf step
     "torch_adamw": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    # torch's fused kernel, skipping on the device a leaf no rank reached (found_inf)
+    "torch_adamw_fused": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
+                                                      weight_decay=0.1, fused=True),
+                          lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
+                                                       fused=True)),
     # fs.optim's Adam: bias corrections by the leaf's own count of updates, as torch's
     "adamw": (lambda: fs.optim.adamw(lr=1e-2, weight_decay=0.1),
               lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
@@ -207,7 +212,8 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool, compile=False):
 
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening", "muon",
+                                       "torch_adamw_fused"])
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
 def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimizer, read):
     """Where a rank's loss left a leaf unreached, whether another rank reached it is a flag

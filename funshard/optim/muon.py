@@ -210,7 +210,7 @@ def muon(lr=1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: b
     label = lambda fqn, p: "muon" if takes(fqn, p) else "other"
     other = other or adamw(3e-4, weight_decay=0.01)
     rest = getattr(other, "traced", None)
-    gated = traceable(rest) and rest.kind != "muon" and rest.clip is None
+    gated = traceable(rest) and rest.kind in ("adam", "sgd") and rest.clip is None
     return chain(multi_transform({"muon": rule, "other": other}, label))._replace(
         traced=Traced("muon", lr, (momentum, nesterov, tuple(ns_coefficients), eps, ns_steps,
                                    adjust_lr_fn), weight_decay, True, takes,

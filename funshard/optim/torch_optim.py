@@ -12,10 +12,26 @@ as ``step``), so ``fs.state_dict`` / ``fs.checkpoint`` save it and load it resha
 
     >>> opt = from_torch(torch.optim.Adam, lr=1e-3, foreach=False)   # per leaf: lean memory
     >>> state = opt.init(params)       # TorchState(state={"step": .., "exp_avg": .., ..}, ..)
+
+[Note: torch's fused step gated on the device] Inside ``fs.train_step`` the step's verdict
+(the loss and norm finite, the ranks agreeing; the clip factor) stays on the device until
+the caller reads it ([Note: a step that reads nothing] in :mod:`funshard.step.deferred`).
+Most torch optimizers cannot take it there: their step is host code over in-place ops, so
+the step reads the verdict first. ``torch.optim.Adam`` and ``AdamW`` with ``fused=True``
+can: their kernel takes a ``found_inf`` tensor and, where it is nonzero, writes nothing
+and takes its step count back, which is how ``torch.amp.GradScaler`` skips a step without
+a sync. :func:`gated_step` hands it the step's verdict that way (and the clip factor as a
+device scalar that multiplies the gradients), so such an optimizer updates with no host
+read; its numbers are those of the same optimizer after a read, bit for bit. It gives the
+fused kernel its state for every leaf from the first step (zeros, what torch would make),
+so the update does not read which leaves torch has stepped either. A leaf this rank's loss
+did not reach gets its own call, under its own flag ([Note: a leaf in doubt] in
+:mod:`funshard.step.update_program`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .apply import deltas_of
 from .base import (Optimizer, Tree, flatten, local, lr_at, materialize, unflatten, zeros_like)
+from .traced import Traced, clip_factor
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop",
                "ASGD", "NAdam", "RAdam")
@@ -35,6 +52,9 @@ REFUSED = {
              "flattened parameter vector (dot products over all elements)",
     "SparseAdam": "it takes sparse gradients; funshard's gradients are dense shards",
 }
+# fused, their step takes the step's verdict on the device ([Note: torch's fused step gated
+# on the device])
+GATED = (torch.optim.Adam, torch.optim.AdamW)
 POINTER = (f"Elementwise torch.optim optimizers work ({', '.join(ELEMENTWISE)}), as do the "
            "fs.optim chains (adamw, sgd, chain(...)) and fs.optim.muon.")
 
@@ -96,7 +116,8 @@ def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
     Returns:
         An :class:`Optimizer` (its ``update`` donates params and state), state
         :class:`TorchState`. ``foreach=False`` or ``fused=True`` keep the transients to one
-        leaf's size.
+        leaf's size. Adam and AdamW with ``fused=True`` update inside ``fs.train_step``
+        with no host read ([Note: torch's fused step gated on the device]).
     """
     _check_class(cls, elementwise)
     lr = kwargs.get("lr")
@@ -132,7 +153,62 @@ def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
             _step(cls, fixed, lr, step, keys_for(p_leaves[idx[0]]), state, p_leaves, deltas, idx)
         return unflatten(spec, p_leaves), state
 
-    return Optimizer(init, update)
+    if cls not in GATED or kwargs.get("fused") is not True:
+        return Optimizer(init, update)
+    gated = functools.partial(gated_step, cls, fixed, lr, keys_for)
+    return Optimizer(init, update, traced=Traced("torch", lr, (gated,), 0.0, False))
+
+
+def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: TorchState,
+               params: Tree, *, step: int, norm, dev, reach) -> TorchState:
+    """A fused ``cls`` step over the leaves with a gradient (``grads``, aligned with the
+    params' leaves), skipped on the device where the step's verdict ``dev`` (``(clip factor,
+    ok)``) says; or, where ``dev`` is None, clipped by the host's ``norm``. ``reach``: per
+    leaf no rank may have reached, whether some rank did (a device flag). See [Note: torch's
+    fused step gated on the device]."""
+    spec = flatten(params)[2]
+    _, _, p_leaves, deltas = deltas_of(unflatten(spec, list(grads)), params, step)
+    idx = [i for i, d in enumerate(deltas) if d is not None]
+    if not idx:
+        return state
+    keys = keys_for(p_leaves[idx[0]])
+    counts = flatten(state.stepped)[1]
+    if any(counts[i] is None for i in idx):
+        raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
+                         "(requires_grad=False at init)")
+    g = {i: materialize(deltas[i], p_leaves[i]) for i in idx}
+    if dev is not None:
+        if t.clip is not None:  # (g: the step's own gradients, in place)
+            torch._foreach_mul_(list(g.values()), dev[0])
+        ok = dev[1] > 0
+    else:
+        ok, coef = None, clip_factor(t, norm)
+        g = {i: x if coef >= 1.0 else torch.mul(x, coef) for i, x in g.items()}
+    lr = lr_at(lr, step) if callable(lr) else None
+    doubt = [i for i in idx if reach and i in reach]
+    calls = [([i for i in idx if i not in doubt], ok)] + [
+        ([i], ok & reach[i] if ok is not None else reach[i]) for i in doubt]
+    s_leaves = {k: flatten(v)[1] for k, v in state.state.items()}
+    for part, gate in calls:
+        if not part:
+            continue
+        views = []
+        for i in part:
+            v = local(p_leaves[i]).detach()  # a leaf sharing the shard's storage
+            v.grad = g[i]
+            views.append(v)
+        opt = cls(views, **(fixed if lr is None else {**fixed, "lr": lr}))
+        for v, i in zip(views, part):  # torch's own initial state is zeros: so is ours
+            opt.state[v] = {k: local(s_leaves[k][i]) for k in keys}
+        mine = [local(counts[i]) for i in part]
+        if gate is not None:
+            opt.found_inf = (~gate).to(torch.float32)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
+        for v in views:
+            v.grad = None
+    return state
 
 
 def _step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState, p_leaves: list,

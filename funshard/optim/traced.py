@@ -44,7 +44,7 @@ class Traced(NamedTuple):
     gated on the device, in the compiled step too: :func:`funshard.optim.muon.gated_update`;
     the rest's as ``other``'s)."""
 
-    kind: str  # "adam", "sgd" or "muon"
+    kind: str  # "adam", "sgd", "muon" or "torch" (hyper: its gated step, from_torch's)
     lr: ScalarOrSchedule
     hyper: tuple  # adam: (b1, b2, eps); sgd: (momentum, dampening, nesterov)
     weight_decay: float
@@ -204,6 +204,8 @@ def decided(t: Traced, state: Any, doubt: tuple, step: int) -> bool:
     fixed in the trace, and a leaf first updated by the step in doubt is first or not."""
     if t.kind == "muon":  # (its matrices' scalars are chosen on the device)
         return decided(t.other, state.inner_states["other"], doubt, step)
+    if t.kind == "torch":  # (its scalars are the host's: the verdict is read first)
+        return False
     if t.kind != "sgd" or _stateless(t):
         return True
     if state.count is None:

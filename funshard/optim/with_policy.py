@@ -28,11 +28,11 @@ def with_policy(optimizer: Optimizer, *, clip_norm: Optional[float] = None,
         [clip_by_global_norm(clip_norm)] if clip_norm is not None else [])
     if not front:
         return optimizer
+    t = optimizer.traced  # (a second clip has no traced form)
+    traced = (None if t is None or (t.clip is not None and clip_norm is not None)
+              else t._replace(clip=clip_norm if clip_norm is not None else t.clip))
     if optimizer.transform is not None:
-        t = optimizer.traced  # (a second clip has no traced form)
-        return chain(*front, optimizer.transform)._replace(
-            traced=None if t is None or (t.clip is not None and clip_norm is not None)
-            else t._replace(clip=clip_norm if clip_norm is not None else t.clip))
+        return chain(*front, optimizer.transform)._replace(traced=traced)
 
     def update(grads: Tree, state: Tree, params: Tree, *, step: int):
         spec, _, p_leaves, deltas = deltas_of(grads, params, step)
@@ -45,4 +45,4 @@ def with_policy(optimizer: Optimizer, *, clip_norm: Optional[float] = None,
         clipped = [None if u is None else materialize(u, p) for u, p in zip(leaves, p_leaves)]
         return optimizer.update(unflatten(spec, clipped), state, params, step=step)
 
-    return Optimizer(optimizer.init, update)
+    return Optimizer(optimizer.init, update, traced=traced)

@@ -3,29 +3,29 @@ until the caller reads them.
 
 [Note: a step that reads nothing] A step that read its metrics on the host before the update
 (the loss and the global norm: the non-finite rule, the clip factor, the checks that the
-ranks agree) would make the host wait, on a GPU, for backward to finish, and the device
-idle while the update is issued (:mod:`funshard.step.update` does so still, for the
-optimizers the device cannot gate). Here, for an update an
+ranks agree) would make the host wait, on a GPU, for backward to finish, and the device idle
+while the update is issued (:mod:`funshard.step.update` does so still, for the optimizers
+the device cannot gate). Here, for an update an
 :class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
 the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
-update gated on the device] in :mod:`funshard.optim.gated`; and ``muon``), the same
+update gated on the device] in :mod:`funshard.optim.gated`; ``muon``; and torch's fused Adam
+and AdamW through ``from_torch``, whose kernel skips where its ``found_inf`` says), the same
 all-reduce carries the same sums, and the device works out what the host did: ``ok`` (the
 loss and norm finite, the ranks' gather orders and kinds of loss alike, and no earlier step
-refused and unread) and the clip factor. The update program applies the update where
-``ok`` holds and keeps every tensor where it does not. The sums come to the host (from
-pinned memory on a GPU, without a wait) and are read at the first of: the caller reading
+refused and unread) and the clip factor. The update program applies the update where ``ok``
+holds and keeps every tensor where it does not. The sums come to the host (from pinned
+memory on a GPU, without a wait) and are read at the first of: the caller reading
 ``metrics`` (any key), ``fs.state_dict`` or a checkpoint of the returned state, and the
-start of the step after next (the step after next, so that the host waits there for a backward the device
-finished long before: the host stays a step ahead). A check that failed raises there, with
-the message a step that reads gives, on every rank at the same step; the state passed into
-the refused step is then usable again (its tensors kept their values on the device, the
-steps issued since skipped their updates too) and the states returned since refuse to be
-read. A leaf this rank's loss did not reach, which another rank's may have, is updated
-under the flag that says whether some rank did ([Note: a leaf in doubt] in
-:mod:`funshard.step.update_program`). The
-buffers (``state.buffers``) take the step's working copies where ``ok`` holds, on the
-device too. A dynamic loss scale lives on the device as well ([Note: a loss scale on the
-device] in :mod:`funshard.step.scaling`).
+start of the step after next (the step after next, so that the host waits there for a
+backward the device finished long before: the host stays a step ahead). A check that failed
+raises there, with the message a step that reads gives, on every rank at the same step; the
+state passed into the refused step is then usable again (its tensors kept their values on
+the device, the steps issued since skipped their updates too) and the states returned since
+refuse to be read. A leaf this rank's loss did not reach, which another rank's may have, is
+updated under the flag that says whether some rank did ([Note: a leaf in doubt] in
+:mod:`funshard.step.update_program`). The buffers (``state.buffers``) take the step's
+working copies where ``ok`` holds, on the device too. A dynamic loss scale lives on the
+device as well ([Note: a loss scale on the device] in :mod:`funshard.step.scaling`).
 
 [Note: two counts in doubt] Under ``Policy(skip_nonfinite=True)`` (or a dynamic loss scale,
 for an overflow) a non-finite step is skipped, not refused, and the optimizer does not

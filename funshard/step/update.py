@@ -1,7 +1,7 @@
 """After backward, for an optimizer the device cannot gate (a chain that is not ``adam``,
-``adamw`` or ``sgd``, ``from_torch``; ``adam``, ``adamw``, ``sgd`` and ``muon`` read
-nothing: :mod:`funshard.step.deferred`): the step's metrics, its non-finite rule, and the
-optimizer.
+``adamw`` or ``sgd``, ``from_torch`` but for torch's fused Adam and AdamW; ``adam``,
+``adamw``, ``sgd``, ``muon`` and those read nothing: :mod:`funshard.step.deferred`): the
+step's metrics, its non-finite rule, and the optimizer.
 
 The loss and the global gradient norm take one all-reduce and one read on the host (the
 step's one wait for the device); a leaf no rank's loss reached gets no gradient ([Note: a

@@ -12,8 +12,11 @@ step. It is made once per (optimizer, leaves' grouping by their scalars). Unlike
 gradients' program it reads nothing of the caller's from Python (the schedule runs on the
 host), so where dynamo would compile it again (gradients that came in another memory
 layout) it does, rather than refuse the step. A chain of fs.optim's pieces that is one of
-those three counts as it (:func:`~funshard.optim.traced.traced_of`); any other optimizer
-(another chain, ``from_torch``) runs its update eagerly after the program.
+those three counts as it (:func:`~funshard.optim.traced.traced_of`). ``from_torch`` of
+torch's fused Adam or AdamW runs eagerly, in both steps, gated on the device by its kernel's
+``found_inf`` ([Note: torch's fused step gated on the device] in
+:mod:`funshard.optim.torch_optim`); any other optimizer (another chain, another
+``from_torch``) runs its update eagerly after the program and the host's read.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
 and timed side by side (``python -m benchmarks.update_candidates``, AdamW over the
@@ -213,7 +216,11 @@ class UpdateProgram:
     def _update(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
                 norm: float | None, device: torch.device, dev: torch.Tensor | None,
                 doubt: tuple | None, reach: dict | None) -> Any:
-        """``t``'s update (adam or sgd) of ``params`` in place; the state it leaves."""
+        """``t``'s update (adam, sgd, or a fused torch optimizer's) of ``params`` in place;
+        the state it leaves."""
+        if t.kind == "torch":  # eagerly, its kernel gated on the device by its verdict
+            return t.hyper[0](t, grads, opt_state, params, step=step, norm=norm, dev=dev,
+                              reach=reach)
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
             return prep.state
