@@ -26,7 +26,10 @@ read; its numbers are those of the same optimizer after a read, bit for bit. It 
 fused kernel its state for every leaf from the first step (zeros, what torch would make),
 so the update does not read which leaves torch has stepped either. A leaf this rank's loss
 did not reach gets its own call, under its own flag ([Note: a leaf in doubt] in
-:mod:`funshard.step.update_program`).
+:mod:`funshard.step.update_program`). ``torch.optim.SGD(fused=True)`` is not gated so: where its
+kernel skips a first step, the momentum buffers torch made for that step stay unwritten and
+the next step reads them as momentum (torch 2.13), so it reads the verdict first, as every
+other optimizer does.
 """
 
 from __future__ import annotations
