@@ -219,15 +219,21 @@ def test_a_custom_function_in_a_group_module_on_device(pools, spec, raf):
         assert err < TOL, err
 
 
-def syncs_in_a_step(spec, policy):
+# the optimizers whose update the device gates: fs.optim's AdamW, and torch's fused AdamW
+# through from_torch (its kernel takes the step's verdict as found_inf)
+GATED = {"adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
+         "torch_fused": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
+                                                    weight_decay=0.1, fused=True)}
+
+
+def syncs_in_a_step(spec, policy, optimizer="adamw"):
     """An eager AdamW step on the lane's device after three (the schedule learned, the
     metrics read), under ``torch.cuda.set_sync_debug_mode("error")``: a host wait for the
     device raises there. Then the caller's read of its loss."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     with forced(world):
         model = _gpt(dev)
-        step = fs.train_step(gpt_loss(model), fs.optim.adamw(1e-2, weight_decay=0.1),
-                             policy=fs.Policy(**policy))
+        step = fs.train_step(gpt_loss(model), GATED[optimizer](), policy=fs.Policy(**policy))
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -243,17 +249,18 @@ def syncs_in_a_step(spec, policy):
         return float(metrics["loss"])
 
 
+@pytest.mark.parametrize("optimizer", list(GATED))
 @pytest.mark.parametrize("policy", [{}, {"clip_norm": 0.5, "accumulate": 2},
                                     {"skip_nonfinite": True}], ids=["full", "clip", "skip"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_an_eager_step_never_waits_for_the_device(pools, spec, policy):
-    """The eager step with adamw makes no host wait for the GPU (its metrics and checks
-    stay on the device, the update is gated there), with a clip, accumulation and the
-    non-finite skip."""
+def test_an_eager_step_never_waits_for_the_device(pools, spec, policy, optimizer):
+    """The eager step with adamw (fs.optim's, or torch's fused one through from_torch) makes
+    no host wait for the GPU (its metrics and checks stay on the device, the update is
+    gated there), with a clip, accumulation and the non-finite skip."""
     if DEVICE != "cuda":
         pytest.skip("a CPU has no device to wait for: tests/test_device.py counts the host "
                     "reads the step makes on the CPU")
-    for loss in pools.run(spec, syncs_in_a_step, policy):
+    for loss in pools.run(spec, syncs_in_a_step, policy, optimizer):
         assert loss == loss, loss
 
 
