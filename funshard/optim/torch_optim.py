@@ -174,11 +174,7 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
     idx = [i for i, d in enumerate(deltas) if d is not None]
     if not idx:
         return state
-    keys = keys_for(p_leaves[idx[0]])
-    counts = flatten(state.stepped)[1]
-    if any(counts[i] is None for i in idx):
-        raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
-                         "(requires_grad=False at init)")
+    keys, counts = keys_for(p_leaves[idx[0]]), _counts(state, idx)
     g = {i: materialize(deltas[i], p_leaves[i]) for i in idx}
     if dev is not None:
         if t.clip is not None:  # (g: the step's own gradients, in place)
@@ -187,7 +183,6 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
     else:
         ok, coef = None, clip_factor(t, norm)
         g = {i: x if coef >= 1.0 else torch.mul(x, coef) for i, x in g.items()}
-    lr = lr_at(lr, step) if callable(lr) else None
     doubt = [i for i in idx if reach and i in reach]
     calls = [([i for i in idx if i not in doubt], ok)] + [
         ([i], ok & reach[i] if ok is not None else reach[i]) for i in doubt]
@@ -195,12 +190,7 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
     for part, gate in calls:
         if not part:
             continue
-        views = []
-        for i in part:
-            v = local(p_leaves[i]).detach()  # a leaf sharing the shard's storage
-            v.grad = g[i]
-            views.append(v)
-        opt = cls(views, **(fixed if lr is None else {**fixed, "lr": lr}))
+        opt, views = _on_views(cls, fixed, lr, step, p_leaves, {i: g[i] for i in part})
         for v, i in zip(views, part):  # torch's own initial state is zeros: so is ours
             opt.state[v] = {k: local(s_leaves[k][i]) for k in keys}
         mine = [local(counts[i]) for i in part]
@@ -214,23 +204,33 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
     return state
 
 
+def _counts(state: TorchState, idx: list[int]) -> list:
+    """Each leaf's count of torch's steps; refused where a leaf with a gradient has none."""
+    counts = flatten(state.stepped)[1]
+    if any(counts[i] is None for i in idx):
+        raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
+                         "(requires_grad=False at init)")
+    return counts
+
+
+def _on_views(cls, fixed: dict, lr, step: int, p_leaves: list, grads: dict) -> tuple:
+    """A ``cls`` over leaves sharing the storage of the local shards at ``grads``' positions,
+    each given its gradient (the step's learning rate where ``lr`` is a schedule); and them."""
+    views = []
+    for i, g in grads.items():
+        v = local(p_leaves[i]).detach()  # a leaf sharing the shard's storage
+        v.grad = g
+        views.append(v)
+    return cls(views, **({**fixed, "lr": lr_at(lr, step)} if callable(lr) else fixed)), views
+
+
 def _step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState, p_leaves: list,
           deltas: list, idx: list[int]) -> None:
     """One torch ``step()`` over the local shards of the leaves with a gradient."""
     s_leaves = {k: flatten(t)[1] for k, t in state.state.items()}
-    counts = flatten(state.stepped)[1]
-    views = []
-    for i in idx:
-        v = local(p_leaves[i]).detach()  # a leaf sharing the shard's storage
-        v.grad = materialize(deltas[i], p_leaves[i])
-        views.append(v)
-    kwargs = dict(fixed)
-    if callable(lr):
-        kwargs["lr"] = lr_at(lr, step)
-    opt = cls(views, **kwargs)
-    if any(counts[i] is None for i in idx):
-        raise ValueError("from_torch: a gradient reached a leaf which has no optimizer state "
-                         "(requires_grad=False at init)")
+    counts = _counts(state, idx)
+    opt, views = _on_views(cls, fixed, lr, step, p_leaves,
+                           {i: materialize(deltas[i], p_leaves[i]) for i in idx})
     started = torch.stack([local(counts[i]) for i in idx]).tolist()  # one sync
     ours = {i: {k: local(s_leaves[k][i]) for k in keys} for i in idx}
     # a scalar torch keeps elsewhere (Adam's step on the CPU for a GPU parameter) crosses
