@@ -197,6 +197,9 @@ class UpdateProgram:
         kw = dict(step=step, norm=norm, device=device, dev=dev, doubt=doubt, reach=reach)
         if t.kind == "muon":
             return params, self._muon(t, grads, opt_state, params, **kw)
+        if t.kind == "torch":  # eagerly, its kernel gated on the device by its verdict
+            return params, t.hyper[0](t, grads, opt_state, params, step=step, norm=norm,
+                                      dev=dev, reach=reach)
         return params, self._update(t, grads, opt_state, params, **kw)
 
     def _muon(self, t, grads: list, opt_state: Any, params: Any, **kw) -> Any:
@@ -216,11 +219,7 @@ class UpdateProgram:
     def _update(self, t, grads: list, opt_state: Any, params: Any, *, step: int,
                 norm: float | None, device: torch.device, dev: torch.Tensor | None,
                 doubt: tuple | None, reach: dict | None) -> Any:
-        """``t``'s update (adam, sgd, or a fused torch optimizer's) of ``params`` in place;
-        the state it leaves."""
-        if t.kind == "torch":  # eagerly, its kernel gated on the device by its verdict
-            return t.hyper[0](t, grads, opt_state, params, step=step, norm=norm, dev=dev,
-                              reach=reach)
+        """``t``'s update (adam or sgd) of ``params`` in place; the state it leaves."""
         prep = traced_.prepare(t, grads, opt_state, params, step=step, norm=norm, doubt=doubt)
         if not prep.groups:
             return prep.state
