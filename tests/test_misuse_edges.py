@@ -81,12 +81,16 @@ def test_a_tree_of_plain_tensors_is_named(pools, spec):
         assert "fs.params(module)" in msg and "detached" not in msg, msg
 
 
-def test_rank0_error_reaches_its_peer_after_destroy_process_group():
+@pytest.mark.parametrize("late", [0.0, 0.1], ids=["prompt", "late"])
+def test_rank0_error_reaches_its_peer_after_destroy_process_group(late):
     """Rank 0 hosts the store, raises, and its script's ``finally`` destroys the process
-    group: the peer names rank 0's error; no exception at exit, no store's C++ frames."""
+    group: the peer names rank 0's error; no exception at exit, no store's C++ frames.
+    The script's mesh keeps gloo's connections open until rank 0's teardown, so the peer
+    reads only then: ``late``, it reads 0.1 s after its collective failed, while rank 0
+    is ending (the store must outlive the group)."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "fault_destroy.py"), str(port),
-                               str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               str(r), str(late)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
              for r in (0, 1)]
     errs = [p.communicate(timeout=120)[1] for p in procs]

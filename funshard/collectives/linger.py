@@ -7,12 +7,24 @@ or for up to 3 s, so its peers name its error instead of a lost connection. The 
 holds its own reference to the store and the world size: a script that ends as torch asks
 (``finally: dist.destroy_process_group()``) has dropped the default process group by then,
 and the hook neither needs it nor raises without it.
+
+A peer blocked in a gloo collective reads nothing while the host lingers: gloo closes the
+host's connections only when its process group is freed, and a live ``DeviceMesh`` (a
+script's global) holds the group past ``destroy_process_group()``, until Python's own
+teardown. Only then does the peer's collective fail and the peer read the record. So the
+hook ends by parking the store in a daemon thread, where teardown never frees it: the
+store then outlives the group until the process itself ends. Measured on 2 gloo CPU
+ranks, rank 0 raising in a step under ``finally: dist.destroy_process_group()`` (the peer
+reading the store in a loop from the moment its collective failed): the store served the
+peer 17-19 ms when freed with the group, 0.32-0.33 s when parked. A peer that read just
+too late printed the store's C++ connection error (1 run in 36 here).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -42,3 +54,18 @@ def linger(store, read_key: str, world: int, limit: float = 3.0) -> None:
         except Exception:  # noqa: BLE001 - a store that is gone: nothing to serve
             return
         time.sleep(0.05)
+    _park(store)
+
+
+def _park(store) -> None:
+    """Keep ``store`` served until the process ends: a daemon thread holds it, and Python's
+    teardown frees no daemon thread's locals (see the module's note)."""
+    try:
+        threading.Thread(target=_hold, args=(store,), daemon=True,
+                         name="funshard-store").start()
+    except Exception:  # noqa: BLE001 - no thread at exit: the store goes with its group
+        return
+
+
+def _hold(store) -> None:
+    threading.Event().wait()  # forever, with ``store`` in this frame
