@@ -1,4 +1,4 @@
-"""The private torch the compiled step needs, found in one place and checked at import.
+"""The private torch funshard uses, found in this one module and checked at import.
 
 ``train_step(compile=True)`` traces the whole step into one program. What that takes from
 torch beyond its public API is looked up here, once, when funshard is imported: each name
@@ -103,11 +103,18 @@ for _name in ("ignore_logger_methods", "error_on_recompile"):
     if _dynamo_config is not None and not hasattr(_dynamo_config, _name):
         MISSING.append(f"torch._dynamo.config.{_name}")
 _ops = getattr(torch.ops, "_c10d_functional", None)
-try:
-    GATHER_OPS = (_ops.all_gather_into_tensor.default, _ops.wait_tensor.default)
+try:  # what the overlap pass moves (funshard.step.overlap): the gather, the reductions, the wait
+    C10D_OPS = {name: getattr(_ops, name).default for name in (
+        "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor")}
 except (AttributeError, RuntimeError):
-    GATHER_OPS = ()
-    MISSING.append("torch.ops._c10d_functional.{all_gather_into_tensor,wait_tensor}")
+    C10D_OPS = {}
+    MISSING.append("torch.ops._c10d_functional.{all_gather_into_tensor,reduce_scatter_tensor,"
+                   "all_reduce,wait_tensor}")
+GATHER_OPS = tuple(C10D_OPS[k] for k in ("all_gather_into_tensor", "wait_tensor") if C10D_OPS)
+# aten's dtype copy (``Tensor.to``): a cast the compiled step's recompute rule recomputes
+TO_COPY = getattr(getattr(torch.ops.aten, "_to_copy", None), "default", None)
+if TO_COPY is None:
+    MISSING.append("torch.ops.aten._to_copy")
 # an all-gather into a given buffer (inductor's own bucketing emits it): where torch lacks it,
 # the compiled step's gathers keep their separate input (funshard.step.overlap)
 GATHER_OUT = getattr(getattr(_ops, "all_gather_into_tensor_out", None), "default", None)
@@ -232,7 +239,7 @@ _import("torch.utils._python_dispatch")
 _import("torch._dynamo.eval_frame")
 _eager("torch.Tensor", "_use_count")
 _storage_use_count = _eager("torch._C", "_storage_Use_Count")
-_eager("torch.Tensor", "_make_wrapper_subclass")
+make_wrapper_subclass = _eager("torch.Tensor", "_make_wrapper_subclass")
 DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
 current_autograd_node = _eager("torch._C", "_current_autograd_node")
 top_saved_hooks = _eager("torch._C._autograd", "_top_saved_tensors_default_hooks")
@@ -308,3 +315,86 @@ def pg_timeout(pg) -> float | None:
         except (AttributeError, RuntimeError, ValueError):
             continue
     return None
+
+
+# -- the c10d state a failure report reads --------------------------------------------------
+#
+# ``torch.distributed.distributed_c10d._get_default_store``: the store a failed rank posts
+# its error to, which its peers read (funshard.collectives.failures); and, per process group
+# (``_world.pg_names``) and per backend (``ProcessGroup._device_types``, ``_get_backend``),
+# ``_get_sequence_number_for_group``: how many collectives this rank has issued there, the
+# position a failure report compares across ranks. Optional: without them a failure is
+# reported by the backend's words alone (``REPORT_MISSING`` names what is absent).
+REPORT_MISSING: list[str] = []
+_before = len(MISSING)
+_get_default_store = _find("torch.distributed.distributed_c10d", "_get_default_store")
+_c10d_world = _find("torch.distributed.distributed_c10d", "_world")
+REPORT_MISSING.extend(MISSING[_before:])
+del MISSING[_before:]
+
+
+def default_store():
+    """The default process group's store, or None (none yet, or this torch lacks it)."""
+    try:
+        return _get_default_store() if _get_default_store is not None else None
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def group_positions() -> dict[str, int]:
+    """``{"pg NAME[ DEVICE]": collectives issued}`` for every process group this rank is in:
+    each backend of ``"cpu:gloo,cuda:nccl"`` counts its own; {} where torch lacks them."""
+    out: dict[str, int] = {}
+    for pg, name in list(getattr(_c10d_world, "pg_names", {}).items()):
+        with contextlib.suppress(Exception):
+            devices = getattr(pg, "_device_types", ())
+            per = ({pg._get_backend(d): f" {d.type}" for d in devices} if len(devices) > 1
+                   else {pg: ""})
+            for b, dev in per.items():
+                out[f"pg {name}{dev}"] = int(b._get_sequence_number_for_group())
+    return out
+
+
+# -- torch's multi-tensor kernels -----------------------------------------------------------
+#
+# ``torch._foreach_*`` and ``torch._fused_adamw_`` (torch.optim's foreach and fused paths):
+# funshard's optimizers, clip and reductions run them; importing funshard fails without.
+_before = len(MISSING)
+foreach_add = _find("torch", "_foreach_add")
+foreach_add_ = _find("torch", "_foreach_add_")
+foreach_addcdiv_ = _find("torch", "_foreach_addcdiv_")
+foreach_addcmul_ = _find("torch", "_foreach_addcmul_")
+foreach_copy_ = _find("torch", "_foreach_copy_")
+foreach_div_ = _find("torch", "_foreach_div_")
+foreach_lerp_ = _find("torch", "_foreach_lerp_")
+foreach_mul = _find("torch", "_foreach_mul")
+foreach_mul_ = _find("torch", "_foreach_mul_")
+foreach_norm = _find("torch", "_foreach_norm")
+foreach_sqrt = _find("torch", "_foreach_sqrt")
+fused_adamw_ = _find("torch", "_fused_adamw_")
+if len(MISSING) > _before:
+    raise ImportError(f"funshard needs torch's multi-tensor kernels, which this torch "
+                      f"{torch.__version__} lacks: {', '.join(MISSING[_before:])}. Use a "
+                      "torch funshard supports (2.11 or newer).")
+
+# -- the testing helpers' -------------------------------------------------------------------
+#
+# ``torch.utils._python_dispatch.TorchDispatchMode`` (fs.testing's counters and memory meter
+# are such modes) and ``torch._subclasses.fake_tensor.FakeTensor`` (a compiler's tensor, no
+# memory: the meter leaves it out). fs.testing fails at its import without them.
+TESTING_MISSING: list[str] = []
+_before = len(MISSING)
+_import("torch.utils._python_dispatch")
+_import("torch._subclasses.fake_tensor")
+TorchDispatchMode = _find("torch.utils._python_dispatch", "TorchDispatchMode")
+FakeTensor = _find("torch._subclasses.fake_tensor", "FakeTensor")
+TESTING_MISSING.extend(MISSING[_before:])
+del MISSING[_before:]
+
+
+def require_testing(what: str) -> None:
+    """Raise, naming the torch version, if what fs.testing needs is missing."""
+    if TESTING_MISSING:
+        raise ImportError(
+            f"{what} needs torch internals this torch {torch.__version__} lacks: "
+            f"{', '.join(TESTING_MISSING)}. Use a torch funshard supports (2.11 or newer).")

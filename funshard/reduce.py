@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from . import collectives, pytree
 from .layout import (Layout, as_dtensor, check_float_dtype, describe, from_model, norm_weight,
                      spread_of)
@@ -77,7 +78,7 @@ def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torc
     ``weights``: one per gradient, or already a float64 tensor of them on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
+    norms = _compat.foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
     w = (weights if isinstance(weights, torch.Tensor)
          else torch.tensor(list(weights), dtype=torch.float64, device=device))
     return (torch.stack(norms).double() ** 2 * w).sum()

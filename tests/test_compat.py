@@ -12,6 +12,68 @@ from funshard import _compat
 
 def test_nothing_is_missing_on_this_torch():
     assert _compat.EAGER_MISSING == [] and _compat.MISSING == []
+    assert _compat.REPORT_MISSING == [] and _compat.TESTING_MISSING == []
+    assert _compat.MODEL_MISSING == []
+
+
+def _private_torch(path) -> list[str]:
+    """Private torch names ``path`` reaches by a module path: ``torch.x._y`` and the names
+    its imports from torch bind (an attribute of a tensor or a group object is not seen)."""
+    import ast
+
+    tree, bound, out = ast.parse(path.read_text()), {}, []
+
+    def private(dotted: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.split(".")[0] == "torch":
+                    bound[a.asname or "torch"] = a.name if a.asname else "torch"
+                    out += [a.name] if private(a.name) else []
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch":
+            for a in n.names:
+                bound[a.asname or a.name] = f"{n.module}.{a.name}"
+                out += [f"{n.module}.{a.name}"] if private(f"{n.module}.{a.name}") else []
+    for n in ast.walk(tree):
+        parts, node = [], n
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if parts and isinstance(node, ast.Name) and node.id in bound:
+            dotted = ".".join([bound[node.id], *reversed(parts)])
+            out += [dotted] if private(dotted) else []
+    # each name once, up to its first private part (``torch.x._y.z``: ``torch.x._y``)
+    cut = {".".join(d.split(".")[:next(i for i, p in enumerate(d.split("."))
+                                       if p.startswith("_") and not p.startswith("__")) + 1])
+           for d in out}
+    return sorted(cut)
+
+
+def test_private_torch_is_named_only_in_the_compat_module():
+    """Every private torch symbol funshard reaches by a module path is looked up in
+    funshard._compat (checked at import, missing names reported with the torch version)."""
+    import pathlib
+
+    root = pathlib.Path(fs.__file__).parent
+    found = {str(p.relative_to(root)): _private_torch(p) for p in root.rglob("*.py")
+             if p.name != "_compat.py"}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_private_torch_scan_sees_each_way_in(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\nimport torch.distributed as dist\n"
+                   "from torch.utils._python_dispatch import TorchDispatchMode\n"
+                   "from torch.distributed import distributed_c10d as c10d\n"
+                   "torch._foreach_add_(a, 1)\nx = dist.distributed_c10d._world\n"
+                   "y = c10d._get_default_store()\nz = torch.ops.aten._to_copy.default\n"
+                   "ok = torch.nn.functional.linear\n")
+    assert _private_torch(src) == sorted([
+        "torch.utils._python_dispatch", "torch._foreach_add_",
+        "torch.distributed.distributed_c10d._world",
+        "torch.distributed.distributed_c10d._get_default_store",
+        "torch.ops.aten._to_copy"])
 
 
 def test_no_frame_walk():

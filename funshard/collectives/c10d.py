@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from ..layout import byte_plan
 from .base import Gathered, Transport, new_padded, skips
 
@@ -73,7 +74,7 @@ class C10d(Transport):
                 src.append(shards[i].reshape(-1))
             offset += size
         if dst:
-            torch._foreach_copy_(dst, src)  # casts to the gather dtype on the way in
+            _compat.foreach_copy_(dst, src)  # casts to the gather dtype on the way in
         work = None
         if not skips(world):
             work = self.api.all_gather(out, inp, group=pg, async_op=async_op)

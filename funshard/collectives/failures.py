@@ -54,6 +54,7 @@ import time
 
 import torch.distributed as dist
 
+from .. import _compat
 from .._ranks import _timeout
 from . import linger
 
@@ -121,14 +122,10 @@ atexit.register(_end_failed)
 
 
 def _store():
-    """The default process group's store, or None (feature-detected; a world of one)."""
+    """The default process group's store, or None (a world of one; see funshard._compat)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return get() if get is not None else None
-    except (RuntimeError, ValueError, AttributeError):
-        return None
+    return _compat.default_store()
 
 
 @contextlib.contextmanager
@@ -248,16 +245,7 @@ def _history(store, r: int) -> list[dict]:
 def position() -> dict[str, int]:
     """The collectives this rank has issued, per process group (c10d's sequence numbers,
     feature-detected) and direct link; a call adds alike to every rank's counts."""
-    out: dict[str, int] = {}
-    c10d = dist.distributed_c10d
-    for pg, name in list(getattr(getattr(c10d, "_world", None), "pg_names", {}).items()):
-        # each backend of "cpu:gloo,cuda:nccl" counts its own (the group's: its default's)
-        with contextlib.suppress(Exception):
-            devices = getattr(pg, "_device_types", ())
-            per = ({pg._get_backend(d): f" {d.type}" for d in devices} if len(devices) > 1
-                   else {pg: ""})
-            for b, dev in per.items():
-                out[f"pg {name}{dev}"] = int(b._get_sequence_number_for_group())
+    out = _compat.group_positions()  # c10d's, per process group and backend
     for more in POSITIONS:  # the direct transports' links (cma_link adds its own)
         out.update(more())
     return out

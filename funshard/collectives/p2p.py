@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _compat
 from ..layout import byte_plan
 from .base import Gathered, Transport, announce, new_padded
 
@@ -69,7 +70,7 @@ def own_rows(layouts, shards, dtypes, into, device, world: int):
     own = [p[lay.start : lay.start + lay.local_rows] for p, lay in zip(padded, layouts)]
     have = [i for i in bp.order if layouts[i].local_rows]
     if have:  # casts to the gather dtype on the way in
-        torch._foreach_copy_([own[i] for i in have], [shards[i] for i in have])
+        _compat.foreach_copy_([own[i] for i in have], [shards[i] for i in have])
     nbytes = world * bp.segment
     announce("all_gather", padded[bp.order[0]], nbytes, nbytes)
     return bp, padded, own

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import _compat
 from ..layout import Layout
 from ..mesh import REPLICATE, SHARD, data_size, mesh_device, mesh_str, process_groups
 from .base import skips, watch
@@ -368,7 +369,7 @@ class _ReduceOne:
             with watch("all-reduce", None, self.reps[0][0], since=self.rep_since):
                 self.rep_work.wait()
             if len(pieces) > 1:
-                torch._foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
+                _compat.foreach_copy_(pieces, list(self.both.split([p.numel() for p in pieces])))
             self.both = self.rep_work = None
         prefix = [p for p in self.prefix if p.numel()]
         for name, pg in self.spread if prefix else ():  # "ep": ranks that computed other rows
@@ -376,9 +377,9 @@ class _ReduceOne:
             with watch("all-reduce", None, name):
                 dist.all_reduce(both, group=pg)
             if len(prefix) > 1:
-                torch._foreach_copy_(prefix, list(both.split([p.numel() for p in prefix])))
+                _compat.foreach_copy_(prefix, list(both.split([p.numel() for p in prefix])))
         if self.divide != 1 and pieces:  # the mean: one division per flat buffer, not per leaf
-            torch._foreach_div_(pieces, self.divide)
+            _compat.foreach_div_(pieces, self.divide)
         for k, lay in enumerate(self.layouts):
             if self.results[k] is None:  # no elements
                 self.results[k] = torch.zeros(lay.local_shape, dtype=self.rdt, device=self.device)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
 from .measured import rebind
 from .base import (Delta, FusedAdam, GradientTransformation, Optimizer, Tree, as_delta, chunks,
                    dens, flatten, group_by, locals_of, path_str, unflatten)
@@ -93,17 +94,17 @@ def _write(deltas: list, params: list) -> None:
         if coupled:  # SGD's L2 penalty, as torch.optim.SGD adds it (g + wd * p: a transient)
             for run in chunks(pg):
                 p_run = [pg[j] for j in run]
-                torch._foreach_add_(p_run, torch._foreach_add([nums[j] for j in run], p_run,
+                _compat.foreach_add_(p_run, _compat.foreach_add([nums[j] for j in run], p_run,
                                                               alpha=wd), alpha=s)
             continue
         # in place over every leaf at once; only the denominators are made, a chunk at a time
         if wd != 0.0:  # decoupled (AdamW): p *= 1 - lr * wd first
-            torch._foreach_mul_(pg, 1 + wd)
+            _compat.foreach_mul_(pg, 1 + wd)
         if no_den:
-            torch._foreach_add_(pg, nums, alpha=s)
+            _compat.foreach_add_(pg, nums, alpha=s)
             continue
         for run in chunks(pg):
-            torch._foreach_addcdiv_([pg[j] for j in run], [nums[j] for j in run],
+            _compat.foreach_addcdiv_([pg[j] for j in run], [nums[j] for j in run],
                                     dens([dg[j].den for j in run]), s)
 
 
@@ -141,8 +142,8 @@ def _write_fused(ds: list, ps: list) -> tuple[list, list]:
         # time, as torch's clip multiplies it (the kernel would unscale it in place)
         for run in ([list(range(len(pg)))] if scale == 1.0 else chunks(pg)):
             g_run = [gs[j] for j in run]
-            torch._fused_adamw_([pg[j] for j in run],
-                                g_run if scale == 1.0 else torch._foreach_mul(g_run, scale),
+            _compat.fused_adamw_([pg[j] for j in run],
+                                g_run if scale == 1.0 else _compat.foreach_mul(g_run, scale),
                                 [dg[j].den.m for j in run], [dg[j].den.v for j in run], [],
                                 [steps[j] for j in run], lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False)

@@ -45,6 +45,8 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
+
 Tree = Any
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
@@ -126,9 +128,9 @@ def dens(ds: list) -> list:
     lazy = [j for j, d in enumerate(ds) if isinstance(d, RootDen)]
     for (scale, eps), (pos, vs) in group_by([(ds[j].scale, ds[j].eps) for j in lazy], lazy,
                                             [ds[j].v for j in lazy]):
-        t = torch._foreach_sqrt(vs)
-        torch._foreach_div_(t, scale)
-        torch._foreach_add_(t, eps)
+        t = _compat.foreach_sqrt(vs)
+        _compat.foreach_div_(t, scale)
+        _compat.foreach_add_(t, eps)
         for j, x in zip(pos, t):
             out[j] = x
     return out

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .. import _compat
 from .base import chunks, lr_at
 from .traced import Prepared, Traced
 
@@ -73,7 +74,7 @@ def _chunk(leaves: tuple, run: list, gate: _Gate) -> tuple:
     cols = tuple(zip(*(leaves[j] for j in run)))
     gs = [g.to(p.dtype) for g, p in zip(cols[0], cols[1])]
     if gate.gain is not None:
-        torch._foreach_mul_(gs, gate.gain)
+        _compat.foreach_mul_(gs, gate.gain)
     if gate.each:
         oks = (gate.ok * torch.stack(cols[-1])).float()
         keep = oks > 0
@@ -110,23 +111,23 @@ def adam_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Ga
                 b2_ok, ok = each.unless(b2), each.ok
                 shrink_ok = each.unless(shrink) if decay else None
             if l2:
-                gs = torch._foreach_add(gs, list(ps), alpha=l2)
+                gs = _compat.foreach_add(gs, list(ps), alpha=l2)
             gs = _chosen(gs, each, ms)  # m where the step does not apply: lerp(m, m) = m
-            torch._foreach_lerp_(ms, gs, 1 - b1)
-            torch._foreach_mul_(vs, b2_ok)
-            torch._foreach_addcmul_(vs, gs, torch._foreach_mul(gs, ok), 1 - b2)
+            _compat.foreach_lerp_(ms, gs, 1 - b1)
+            _compat.foreach_mul_(vs, b2_ok)
+            _compat.foreach_addcmul_(vs, gs, _compat.foreach_mul(gs, ok), 1 - b2)
             del gs
-            den = torch._foreach_sqrt(vs)
-            torch._foreach_div_(den, bc2)
-            torch._foreach_add_(den, eps)
+            den = _compat.foreach_sqrt(vs)
+            _compat.foreach_div_(den, bc2)
+            _compat.foreach_add_(den, eps)
             if decay:
-                torch._foreach_mul_(ps, shrink_ok)
+                _compat.foreach_mul_(ps, shrink_ok)
             if eps > 0.0:
-                torch._foreach_div_(den, ok)  # inf where the step does not apply
-                torch._foreach_addcdiv_(ps, ms, den, s)
+                _compat.foreach_div_(den, ok)  # inf where the step does not apply
+                _compat.foreach_addcdiv_(ps, ms, den, s)
             else:  # den may be 0: (m * 0) / (den + 1) = 0 where the step does not apply
-                torch._foreach_add_(den, each.off())
-                torch._foreach_addcdiv_(ps, torch._foreach_mul(ms, ok), den, s)
+                _compat.foreach_add_(den, each.off())
+                _compat.foreach_addcdiv_(ps, _compat.foreach_mul(ms, ok), den, s)
             del den
 
 
@@ -140,19 +141,19 @@ def sgd_eager(hyper: tuple, static: tuple, groups: tuple, rows: list, gate: _Gat
             if gate.each:  # a gate per leaf
                 mom_ok, ok = each.unless(momentum), each.ok
             if l2:
-                gs = torch._foreach_add(gs, list(ps), alpha=l2)
+                gs = _compat.foreach_add(gs, list(ps), alpha=l2)
             if not bufs:  # no momentum: p + lr * 0 = p where the step does not apply
-                torch._foreach_add_(ps, _chosen(gs, each, None), alpha=lr)
+                _compat.foreach_add_(ps, _chosen(gs, each, None), alpha=lr)
                 continue
             if first:  # a leaf's first update: its buffer is its gradient (or stays)
                 gs = _chosen(gs, each, bufs[0])
-                torch._foreach_copy_(bufs[0], gs)
+                _compat.foreach_copy_(bufs[0], gs)
             else:
                 gs = _chosen(gs, each, None)
-                torch._foreach_mul_(bufs[0], mom_ok)
-                torch._foreach_add_(bufs[0], gs, alpha=1 - dampening)
-            res = torch._foreach_add(gs, bufs[0], alpha=momentum) if nesterov else bufs[0]
-            torch._foreach_add_(ps, torch._foreach_mul(res, ok), alpha=lr)
+                _compat.foreach_mul_(bufs[0], mom_ok)
+                _compat.foreach_add_(bufs[0], gs, alpha=1 - dampening)
+            res = _compat.foreach_add(gs, bufs[0], alpha=momentum) if nesterov else bufs[0]
+            _compat.foreach_add_(ps, _compat.foreach_mul(res, ok), alpha=lr)
 
 
 def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
@@ -170,9 +171,9 @@ def adam_fused_eager(t: Traced, prep: Prepared, groups: tuple, step: int,
             gs, ps, ms, vs = (list(c) for c in zip(*run))
             gs = [g.to(p.dtype) for g, p in zip(gs, ps)]  # (a reduce dtype's: the params')
             if gate.gain is not None:
-                torch._foreach_mul_(gs, gate.gain)
+                _compat.foreach_mul_(gs, gate.gain)
             steps = [torch.full((), float(n + 1), dtype=torch.float32, device=device)] * len(ps)
-            torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=b1, beta2=b2,
+            _compat.fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=t.weight_decay if decay else 0.0, eps=eps,
                                 amsgrad=False, maximize=False, found_inf=skip)
 

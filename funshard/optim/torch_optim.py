@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from .. import _compat
 from .apply import deltas_of
 from .base import (Optimizer, Tree, flatten, local, lr_at, materialize, unflatten, zeros_like)
 from .traced import Traced, clip_factor
@@ -178,7 +179,7 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
     g = {i: materialize(deltas[i], p_leaves[i]) for i in idx}
     if dev is not None:
         if t.clip is not None:  # (g: the step's own gradients, in place)
-            torch._foreach_mul_(list(g.values()), dev[0])
+            _compat.foreach_mul_(list(g.values()), dev[0])
         ok = dev[1] > 0
     else:
         ok, coef = None, clip_factor(t, norm)
@@ -198,7 +199,7 @@ def gated_step(cls, fixed: dict, lr, keys_for, t: Traced, grads: list, state: To
             opt.found_inf = (~gate).to(torch.float32)
         opt.step()
         with torch.no_grad():
-            torch._foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
+            _compat.foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
         for v in views:
             v.grad = None
     return state
@@ -249,11 +250,11 @@ def _step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState, p_leav
     with torch.no_grad():
         for k in moved:  # back in one crossing, then one copy into every leaf's scalar
             back = torch.stack([opt.state[v][k] for v in views]).to(ours[idx[0]][k].device)
-            torch._foreach_copy_([ours[i][k] for i in idx], list(back.unbind()))
+            _compat.foreach_copy_([ours[i][k] for i in idx], list(back.unbind()))
         for v, i in zip(views, idx):
             for k, t in ours[i].items():
                 theirs = opt.state[v][k]
                 if k not in moved and theirs is not t:
                     t.copy_(theirs)
             v.grad = None
-        torch._foreach_add_([local(counts[i]) for i in idx], 1)
+        _compat.foreach_add_([local(counts[i]) for i in idx], 1)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _compat
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
                    ScalarOrSchedule, Tree, advance_counts, as_delta, check, check_held,
                    check_lr, chunks, counts_tree, flatten, group_by, locals_of, lr_at,
@@ -117,9 +118,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                 for run in runs_of(us_, ms):
                     gs = [materialize(us_[j], ps_[j]) for j in run]
                     m_run, v_run = [ms[j] for j in run], [vs[j] for j in run]
-                    torch._foreach_lerp_(m_run, gs, 1 - b1)
-                    torch._foreach_mul_(v_run, b2)
-                    torch._foreach_addcmul_(v_run, gs, gs, 1 - b2)
+                    _compat.foreach_lerp_(m_run, gs, 1 - b1)
+                    _compat.foreach_mul_(v_run, b2)
+                    _compat.foreach_addcmul_(v_run, gs, gs, 1 - b2)
                     del gs
                 for i, mm, vv in zip(pos, ms, vs):
                     bc1, bc2_sqrt = corrections[prior[i]]
@@ -168,13 +169,13 @@ def trace(momentum: float, *, dampening: float = 0.0,
                     b_run = [bs[j] for j in run]
                     new = [j for j, g in enumerate(run) if first[pos[g]]]
                     if new:  # a leaf's first update: its buffer is its gradient
-                        torch._foreach_copy_([b_run[j] for j in new], [gs[j] for j in new])
+                        _compat.foreach_copy_([b_run[j] for j in new], [gs[j] for j in new])
                     old = [j for j, g in enumerate(run) if not first[pos[g]]]
                     if old:
                         b_old = [b_run[j] for j in old]
-                        torch._foreach_mul_(b_old, momentum)
-                        torch._foreach_add_(b_old, [gs[j] for j in old], alpha=1 - dampening)
-                    res = torch._foreach_add(gs, b_run, alpha=momentum) if nesterov else b_run
+                        _compat.foreach_mul_(b_old, momentum)
+                        _compat.foreach_add_(b_old, [gs[j] for j in old], alpha=1 - dampening)
+                    res = _compat.foreach_add(gs, b_run, alpha=momentum) if nesterov else b_run
                     for j, r in zip(run, res):
                         out[pos[j]] = Delta(r)
                     del gs, res  # before the next chunk's are made

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .. import collectives, pytree
+from .. import _compat, collectives, pytree
 from ..shard import shard
 
 RULES = ("mean", "broadcast", "own")
@@ -121,7 +121,7 @@ def write_back(leaves: list[DTensor], work: list[torch.Tensor],
     if not leaves:
         return
     if keep is None:
-        torch._foreach_copy_([d._local_tensor for d in leaves], work)
+        _compat.foreach_copy_([d._local_tensor for d in leaves], work)
         return
     for d, w in zip(leaves, work):
         d._local_tensor.copy_(torch.where(keep, w, d._local_tensor))

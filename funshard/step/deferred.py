@@ -55,6 +55,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from .. import collectives, pytree
 from ..optim import traced as traced_
 from . import batches, donation, scaling
@@ -222,7 +223,7 @@ def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> 
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
     grads = [out.grads[i] for i in present]
-    norms = torch._foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
+    norms = _compat.foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
     per = torch.stack(norms).double() ** 2 * weights
     reached = params.on_device(("reached", tuple(i in out.used for i in present)),
                                torch.float64, lambda: [float(i in out.used) for i in present])
@@ -311,7 +312,7 @@ def update(optimizer, policy, params: ParamGroups, state, out: Grads, batch: Any
     if factor is not None:  # fs.Mean: the gradient of the mean over every item
         kept = [g for g in grads if g is not None]
         for dt in {g.dtype for g in kept}:
-            torch._foreach_mul_([g for g in kept if g.dtype == dt], factor.to(dt))
+            _compat.foreach_mul_([g for g in kept if g.dtype == dt], factor.to(dt))
     host = {"loss": None, "grad_norm": None, "unsharded_groups_peak": out.peaks[0],
             "unsharded_bytes_peak": out.peaks[1], "skipped": 0}  # (the first two: when read)
     if out.count is not None:

@@ -162,7 +162,7 @@ class Group:
         else:
             outs = self._refill(leaves)
         with torch.no_grad():  # a refill in backward runs under grad mode
-            torch._foreach_copy_(outs, [shards[idx[k]] for k in leaves])
+            _compat.foreach_copy_(outs, [shards[idx[k]] for k in leaves])
         return outs
 
     def prefetch(self) -> None:

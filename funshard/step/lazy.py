@@ -81,7 +81,7 @@ class LazyParam(torch.Tensor):
 
     @staticmethod
     def __new__(cls, run, gi: int, k: int, shape, dtype, device, requires_grad):
-        t = torch.Tensor._make_wrapper_subclass(
+        t = _compat.make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
         t._run, t._gi, t._k = run, gi, k

@@ -60,10 +60,10 @@ import torch.fx as fx
 from .. import _compat
 from . import packing
 
-_c10d = torch.ops._c10d_functional
-GATHER = _c10d.all_gather_into_tensor.default
-REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
-WAIT = _c10d.wait_tensor.default
+_C10D = _compat.C10D_OPS  # (empty where this torch lacks them: the compiled step refuses)
+GATHER = _C10D.get("all_gather_into_tensor")
+REDUCTIONS = (_C10D.get("reduce_scatter_tensor"), _C10D.get("all_reduce"))
+WAIT = _C10D.get("wait_tensor")
 DIVIDE = (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar)  # the mean (packing.pack)
 LAY = packing.LAY
 COLLECTIVES = (GATHER, WAIT, *REDUCTIONS)

@@ -76,7 +76,7 @@ from .params import ParamGroups
 
 # what the region recomputes besides the gather's own ops and the packing's: casts (a world
 # of one's gather is its cast; a cast after the gather)
-_COPIES = (torch.ops.aten._to_copy.default,)
+_COPIES = (_compat.TO_COPY,)
 
 
 def _policy(gather: CheckpointPolicy, compute: CheckpointPolicy, ctx, op, *args,

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _compat
+
 INIT, GROWTH, BACKOFF, INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000  # torch.amp.GradScaler's defaults
 
 
@@ -113,7 +115,7 @@ def multiply(grads: list, factor: float | torch.Tensor) -> None:
     with torch.no_grad():
         for dt in {g.dtype for g in present}:
             f = factor.to(dt) if isinstance(factor, torch.Tensor) else factor
-            torch._foreach_mul_([g for g in present if g.dtype == dt], f)
+            _compat.foreach_mul_([g for g in present if g.dtype == dt], f)
 
 
 def overflowed(policy, ls: LossScale | None, grads_finite: bool, loss_finite: bool) -> bool:

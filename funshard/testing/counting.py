@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _compat
 from ..collectives import is_direct_message
+
+_compat.require_testing("funshard.testing")
 
 _KINDS = {
     "_allgather_base_": "all_gather",
@@ -69,7 +71,7 @@ def classify(func, args) -> tuple[str, int, int] | None:
     return kind, logical, counted
 
 
-class CountCollectives(TorchDispatchMode):
+class CountCollectives(_compat.TorchDispatchMode):
     """Counts c10d collectives (and their output bytes) issued on this thread while active.
 
     ``counts`` and ``bytes`` (counted bytes) are by kind; ``ops`` lists every collective in

@@ -16,10 +16,13 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _compat
+
+_compat.require_testing("funshard.testing")
 
 
-class LiveMemory(TorchDispatchMode):
+class LiveMemory(_compat.TorchDispatchMode):
     """Peak bytes of live tensor storages created while active, sampled after every op.
 
     Storages are tracked by weak reference, so freed tensors leave the count, and a storage
@@ -83,11 +86,9 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
                 if not isinstance(o, weakref.ProxyTypes) and isinstance(o, torch.Tensor)]
     from ..step.lazy import LazyParam  # no storage; an op on one would gather
 
-    from torch._subclasses.fake_tensor import FakeTensor  # a compiler's, no real memory
-
     out = {}
     for o in objs:
-        if isinstance(o, (LazyParam, FakeTensor)):
+        if isinstance(o, (LazyParam, _compat.FakeTensor)):  # a fake: no real memory
             continue
         t = o._local_tensor if isinstance(o, DTensor) else o
         if t.device.type != device.type:
