@@ -138,13 +138,18 @@ except (ImportError, TypeError, ValueError):
 GUARD_FILTER = hasattr(torch.compiler, "skip_guard_on_globals_unsafe")
 
 
+def _lacking(what: str, missing: list[str], use: str) -> str:
+    """What every refusal below says: who needs which names, this torch's version, and
+    what to use instead."""
+    return (f"{what} needs torch internals this torch {torch.__version__} lacks: "
+            f"{', '.join(missing)}. Use {use} (2.11 or newer).")
+
+
 def require(what: str) -> None:
     """Raise, naming the torch version and the missing symbols, if any is missing."""
     if MISSING:
-        raise RuntimeError(
-            f"{what} needs torch internals this torch {torch.__version__} lacks: "
-            f"{', '.join(MISSING)}. Use the eager step (compile=False), or a torch with them "
-            "(2.11 or newer).")
+        raise RuntimeError(_lacking(what, MISSING, "the eager step (compile=False), or a "
+                                    "torch with them"))
 
 
 # [Note: a context made once] dynamo's ``config.patch`` defines a class per call, a
@@ -268,9 +273,7 @@ def require_eager(what: str) -> None:
     """Raise, naming the torch version and the missing symbols, if any the eager step needs
     is missing."""
     if EAGER_MISSING:
-        raise RuntimeError(
-            f"{what} needs torch internals this torch {torch.__version__} lacks: "
-            f"{', '.join(EAGER_MISSING)}. Use a torch the step supports (2.11 or newer).")
+        raise RuntimeError(_lacking(what, EAGER_MISSING, "a torch the step supports"))
 
 
 # -- meshes past data parallelism -------------------------------------------------------
@@ -291,9 +294,7 @@ del MISSING[_before:]
 def require_strided(what: str) -> None:
     """Raise, naming the torch version, if ``_StridedShard`` is missing."""
     if MODEL_MISSING:
-        raise RuntimeError(
-            f"{what} needs torch internals this torch {torch.__version__} lacks: "
-            f"{', '.join(MODEL_MISSING)}. Use a torch funshard supports (2.11 or newer).")
+        raise RuntimeError(_lacking(what, MODEL_MISSING, "a torch funshard supports"))
 
 
 # -- a process group's timeout ------------------------------------------------------------
@@ -395,6 +396,4 @@ del MISSING[_before:]
 def require_testing(what: str) -> None:
     """Raise, naming the torch version, if what fs.testing needs is missing."""
     if TESTING_MISSING:
-        raise ImportError(
-            f"{what} needs torch internals this torch {torch.__version__} lacks: "
-            f"{', '.join(TESTING_MISSING)}. Use a torch funshard supports (2.11 or newer).")
+        raise ImportError(_lacking(what, TESTING_MISSING, "a torch funshard supports"))
