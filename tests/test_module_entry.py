@@ -290,3 +290,30 @@ def test_the_last_block_stays_gathered_into_backward(pools, raf):
     for gathers, groups in pools.run(2, gathers_in_step_two, raf):
         assert groups == 3, groups
         assert gathers == (5 if raf else 3), gathers
+
+
+def fused_head_local_and_forced(spec, param_dtype):
+    """The fused head's parameters after 3 steps on a world of one, its collectives skipped
+    (a gather is a cast, or nothing) and forced."""
+    from funshard.collectives import force_collectives
+
+    model = FusedHead()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(3)]
+    out = []
+    for forced in (False, True):
+        step = fs.train_step(lambda p, ids: fs.call(model, p, ids), fs.optim.adamw(lr=1e-2),
+                             policy=fs.Policy(param_dtype=param_dtype))
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        with force_collectives(forced):
+            for ids in batches:
+                state, _ = step(state, ids)
+        out.append(fs.unshard(state.params))
+    local, forced = out
+    return max((local[k] - forced[k]).abs().max().item() for k in local)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_linear_cross_entropy_on_a_world_of_one_trains_as_with_its_collectives(
+        pools, param_dtype):
+    assert pools.run(1, fused_head_local_and_forced, param_dtype)[0] == 0.0
