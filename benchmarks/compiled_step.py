@@ -18,6 +18,16 @@ Two runs, each on fresh local ranks (gloo on CPU):
 Every mode moves its bytes on the backend's collectives. Graphs and graph breaks are
 dynamo's counters after the warm-up and after the timed rounds (equal: no recompile).
 
+On the CPU the times and the memory come from two launches: the timed ranks keep freed
+memory mapped for reuse, as a GPU's caching allocator does (glibc's
+``MALLOC_MMAP_THRESHOLD_`` and trim threshold at 1 GiB), and the probed ones unmap every
+freed buffer over 128 KiB, so resident memory follows the live tensors. Timed with the
+probe's setting, or glibc's default (which maps each buffer over 32 MiB afresh), a step
+page-faults every large buffer it makes, and a mode whose buffers are larger (the compiled
+step's one gather buffer per group, 64 MiB on shape B, against the eager step's 32 MiB per
+leaf) paid for the page faults, not for its own work
+(``benchmarks/results/2026-11-28-cpu-host-time.md``).
+
     python -m benchmarks.compiled_step --shapes A,B,C --rounds 6
     python -m benchmarks.compiled_step --host --rounds 10 [--device cuda --cudagraphs]
 """
@@ -37,7 +47,7 @@ from torch._dynamo.utils import counters
 from . import shapes
 from .bench import host_config
 from .compiled_candidates import rss_peak
-from .launch import launch
+from .launch import launch, under_torchrun
 from .measure import _gather
 from .modes import Config, batches, build_mode, build_model, meshes_for
 
@@ -59,10 +69,34 @@ def _probe(cfg: Config, fn) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def run_rank(cfg: Config, rounds: int) -> dict:
+# glibc's handling of freed memory: kept for reuse (timing), or unmapped (the memory probe)
+_KEPT = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+_UNMAPPED = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # see rss_peak
+
+
+def _launched(cfg: Config, rounds: int) -> dict:
+    """:func:`run_rank` on fresh ranks: on the CPU timed and probed in two launches, each
+    with its own handling of freed memory (the module's note)."""
+    if cfg.device != "cpu" or under_torchrun():
+        os.environ.update(_UNMAPPED)
+        return launch(run_rank, cfg, rounds, True)
+    before = dict(os.environ)
+    try:
+        os.environ.update(_KEPT)
+        res = launch(run_rank, cfg, rounds, False)
+        os.environ.clear()
+        os.environ.update({**before, **_UNMAPPED})
+        res["mem"] = launch(run_rank, cfg, 0, True)["mem"]
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    return res
+
+
+def run_rank(cfg: Config, rounds: int, probe: bool = True) -> dict:
     """Every mode of ``cfg`` on this rank: warm-up (the compiled step's eager first step and
     its compiling second), ``rounds`` interleaved timed rounds of ``cfg.steps`` steps, then
-    one step of each under the resident-memory probe."""
+    (``probe``) one step of each under the resident-memory probe."""
     meshes = meshes_for(cfg, cfg.modes)
     rank = dist.get_rank()
     base, data = build_model(cfg), batches(cfg, rank)
@@ -88,7 +122,7 @@ def run_rank(cfg: Config, rounds: int) -> dict:
             times[m].append((time.perf_counter() - t0) / cfg.steps * 1e3)
     graphs.append(counters["stats"]["unique_graphs"])
     mem = {}
-    for m, run in runners.items():
+    for m, run in runners.items() if probe else ():
         dist.barrier()
         mem[m] = _probe(cfg, lambda: run.step(data[0]))
     state = sum(p.numel() for p in base.parameters()) * 4 * 3 // cfg.world
@@ -139,7 +173,6 @@ def main(argv=None) -> None:
     ap.add_argument("--cudagraphs", action="store_true",
                     help="--host also runs the compiled step with mode='reduce-overhead'")
     a = ap.parse_args(argv)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see rss_peak
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, backend {a.backend}")
     modes = tuple(filter(None, a.modes.split(","))) or SHAPE_MODES
     for name in filter(None, a.shapes.split(",")):
@@ -147,7 +180,7 @@ def main(argv=None) -> None:
                                          modes=modes, compile_backend=a.backend,
                                          device=a.device),
                                   **shapes.SHAPES[name])
-        res = launch(run_rank, cfg, a.rounds)
+        res = _launched(cfg, a.rounds)
         print(f"\n## {shapes.LABELS[name]}, 2 ranks, AdamW\n\n"
               f"{table(res, modes, modes[0])}", flush=True)
     if a.host:
@@ -156,7 +189,7 @@ def main(argv=None) -> None:
             host_config(Config(precision="bf16", threads=1, compile_backend=a.backend,
                                device=a.device)),
             modes=modes, warmup=3, steps=max(a.steps, 20))
-        res = launch(run_rank, cfg, a.rounds)
+        res = _launched(cfg, a.rounds)
         print(f"\n## host-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, {a.device}"
               f"\n\n{table(res, modes, 'floor_compile')}", flush=True)
 
