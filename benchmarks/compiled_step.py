@@ -77,8 +77,9 @@ _UNMAPPED = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # see rss_peak
 def _launched(cfg: Config, rounds: int) -> dict:
     """:func:`run_rank` on fresh ranks: on the CPU timed and probed in two launches, each
     with its own handling of freed memory (the module's note)."""
-    if cfg.device != "cpu" or under_torchrun():
-        os.environ.update(_UNMAPPED)
+    if cfg.device != "cpu" or under_torchrun():  # (under torchrun: as the caller set it)
+        for k, v in _UNMAPPED.items():
+            os.environ.setdefault(k, v)
         return launch(run_rank, cfg, rounds, True)
     before = dict(os.environ)
     try:
