@@ -35,6 +35,7 @@ leaf) paid for the page faults, not for its own work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -81,17 +82,27 @@ def _launched(cfg: Config, rounds: int) -> dict:
         for k, v in _UNMAPPED.items():
             os.environ.setdefault(k, v)
         return launch(run_rank, cfg, rounds, True)
-    before = dict(os.environ)
-    try:
-        os.environ.update(_KEPT)
+    with _environ(_KEPT):
         res = launch(run_rank, cfg, rounds, False)
-        os.environ.clear()
-        os.environ.update({**before, **_UNMAPPED})
+    with _environ(_UNMAPPED):
         res["mem"] = launch(run_rank, cfg, 0, True)["mem"]
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
     return res
+
+
+@contextlib.contextmanager
+def _environ(settings: dict):
+    """``settings`` in the environment that ranks launched within inherit; the keys as
+    they were afterwards."""
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_rank(cfg: Config, rounds: int, probe: bool = True) -> dict:

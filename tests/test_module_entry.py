@@ -13,6 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import funshard as fs
+from funshard.collectives import force_collectives
 from funshard.testing import assert_parity, capture, mesh
 from funshard.testing.models import MatMulT
 
@@ -295,8 +296,6 @@ def test_the_last_block_stays_gathered_into_backward(pools, raf):
 def fused_head_local_and_forced(spec, param_dtype):
     """The fused head's parameters after 3 steps on a world of one, its collectives skipped
     (a gather is a cast, or nothing) and forced."""
-    from funshard.collectives import force_collectives
-
     model = FusedHead()
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, 64, (4, 8), generator=g) for _ in range(3)]
