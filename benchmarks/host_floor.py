@@ -1,7 +1,7 @@
 """What the parameter stand-in costs by itself: the host overhead, split in two.
 
 On a GPT whose compute is negligible (:func:`benchmarks.bench.host_config`: world 1,
-bfloat16 compute, float32 masters, FULL_SHARD), the step time is host time. This runs four
+bfloat16 compute, float32 masters, FULL_SHARD), the step time is host time. This runs six
 steps over the same model and batches, interleaved, and prints each one's median against
 the plain step:
 
@@ -14,11 +14,19 @@ the plain step:
   first op casts its group through one autograd Function and binds it (swaps the stand-in
   with the full tensor), the previous group freed and unbound; the same saved-tensor hooks;
   ``torch.optim.AdamW``;
-- ``funshard``: ``fs.train_step`` (``Policy(param_dtype=bfloat16)``, ``fs.optim.adamw``).
+- ``funshard``: ``fs.train_step`` (``Policy(param_dtype=bfloat16)``, ``fs.optim.adamw``);
+- ``funshard_forced``: the same with its collectives forced
+  (:func:`funshard.collectives.force_collectives`): each group's all-gather and
+  reduce-scatter run on the backend, as on more ranks;
+- ``fsdp2``: ``fully_shard`` per block and the root, bfloat16 ``MixedPrecisionPolicy``,
+  ``torch.optim.AdamW`` (foreach): FSDP2 runs its collectives at world 1 too, so it is the
+  twin of ``funshard_forced`` on the same transport.
 
 ``hooks`` and ``stand_ins`` must agree bit for bit (checked first); the gap between
 ``stand_ins`` and ``funshard`` is the step's own bookkeeping and optimizer, not the
-mechanism. ``python -m benchmarks.host_floor [--rounds 10] [--device cpu|cuda]``.
+mechanism; the gap between ``funshard`` and ``funshard_forced`` is the collective path's
+(the backend's own cost per collective included: gloo's world-1 all-gather alone is a
+few hundred microseconds on a CPU core). ``python -m benchmarks.host_floor [--rounds 10] [--device cpu|cuda]``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from funshard.collectives import force_collectives
 from funshard.step.install import install
 
 from .bench import host_config
@@ -249,11 +258,19 @@ def main(argv=None) -> dict:
     print(f"hooks vs stand_ins after 3 steps: max difference {diff}")
     if diff != 0.0:
         raise SystemExit("host_floor: the two references disagree; their timings mean nothing")
-    modes = dataclasses.replace(cfg, modes=("funshard_full", "floor"))
+    modes = dataclasses.replace(cfg, modes=("funshard_full", "floor", "fsdp2_full"))
     meshes = meshes_for(modes, modes.modes)
+    forced = build_mode("funshard_full", base, modes, meshes).step
+
+    def funshard_forced(batch) -> None:
+        with force_collectives():
+            forced(batch)
+
     runs = {"floor": build_mode("floor", base, modes, meshes).step,
             "hooks": Hooks(base).step, "stand_ins": StandIns(base).step,
-            "funshard": build_mode("funshard_full", base, modes, meshes).step}
+            "funshard": build_mode("funshard_full", base, modes, meshes).step,
+            "funshard_forced": funshard_forced,
+            "fsdp2": build_mode("fsdp2_full", base, modes, meshes).step}
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {m: [] for m in runs}
     for rnd in range(args.rounds + 1):  # the first round warms up

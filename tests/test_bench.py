@@ -395,7 +395,7 @@ def test_overlap_counts_collective_time_under_compute():
 
 def test_host_floor_references_agree_and_time():
     """benchmarks.host_floor: its two lean references (module hooks, stand-ins) train bit for
-    bit alike, and it prints the four steps' table."""
+    bit alike, and it prints the six steps' table."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.host_floor", "--rounds", "1", "--steps", "2",
          "--blocks", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -403,7 +403,8 @@ def test_host_floor_references_agree_and_time():
     assert "hooks vs stand_ins after 3 steps: max difference 0.0" in proc.stdout, proc.stdout
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| step")]
-    assert rows == ["floor", "hooks", "stand_ins", "funshard"], proc.stdout
+    assert rows == ["floor", "hooks", "stand_ins", "funshard", "funshard_forced", "fsdp2"], \
+        proc.stdout
 
 
 def test_model_parallel_benchmark_trains_both_alike():
