@@ -53,6 +53,46 @@ NEWEST = (FlatApi("all_gather_single", dist.all_gather_single, dist.reduce_scatt
 API = NEWEST or LEGACY  # the newest this torch has
 
 
+class _Plan(NamedTuple):
+    """One all-gather of leaves in one dtype, in elements: what :meth:`C10d.all_gather` reads
+    per call, worked out once per list of layouts and dtypes."""
+
+    dtype: torch.dtype
+    order: list[int]  # leaves with elements, in the buffer's order
+    sizes: list[int]  # their padded chunk elements
+    total: int  # sum of sizes
+    seg: int  # one rank's segment: total, padded to the alignment
+    slots: list[int]  # the segment split: sizes, and the padding after them if any
+    local: list[tuple[int, int, int, int]]  # (slot, leaf, this rank's elements, slot size)
+
+
+_PLANS: dict[tuple, _Plan | None] = {}
+
+
+def _plan(layouts, dtypes) -> _Plan | None:
+    """The :class:`_Plan` of an all-gather (None: leaves in several dtypes), kept by the
+    layouts and dtypes, which are values (the step gathers the same groups every step)."""
+    key = (tuple(layouts), tuple(dtypes))
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    if len(_PLANS) >= 4096:  # a bound, for a process that makes many steps
+        _PLANS.clear()
+    plan = None
+    if len(set(dtypes)) == 1:
+        dt = dtypes[0]
+        bp = byte_plan(layouts, dtypes)
+        sizes = [s // dt.itemsize for s in bp.sizes]
+        total, seg = sum(sizes), bp.segment // dt.itemsize
+        local = [(j, i, layouts[i].local_rows * layouts[i].row_numel, size)
+                 for j, (i, size) in enumerate(zip(bp.order, sizes))]
+        plan = _Plan(dt, bp.order, sizes, total, seg, sizes + [seg - total] * (seg > total),
+                     [x for x in local if x[2]])
+    _PLANS[key] = plan
+    return plan
+
+
 class C10d(Transport):
     name = "c10d"
     borrows = False
@@ -61,9 +101,35 @@ class C10d(Transport):
         self.api = api
 
     def all_gather(self, layouts, shards, dtypes, pg, into, device, async_op) -> Gathered:
-        bp = byte_plan(layouts, dtypes)
         world = pg.size() if pg is not None else 1
         rank = pg.rank() if pg is not None else 0
+        plan = _plan(layouts, dtypes)
+        if plan is None:
+            return self._bytes(layouts, shards, dtypes, pg, into, device, async_op, world, rank)
+        out = torch.empty(world * plan.seg, dtype=plan.dtype, device=device)
+        inp = out[rank * plan.seg : (rank + 1) * plan.seg]
+        pieces = inp.split(plan.slots)
+        dst = [pieces[j] if n == size else pieces[j][:n] for j, _, n, size in plan.local]
+        src = [shards[i].reshape(-1) for _, i, _, _ in plan.local]
+        if dst:
+            _compat.foreach_copy_(dst, src)  # casts to the gather dtype on the way in
+        work = None
+        if not skips(world):
+            work = self.api.all_gather(out, inp, group=pg, async_op=async_op)
+
+        def finish() -> list[torch.Tensor]:
+            padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
+            views = [padded[i].view(world, -1) for i in plan.order]
+            torch.split_with_sizes_copy(out.view(world, plan.seg)[:, : plan.total],
+                                        plan.sizes, dim=1, out=views)
+            return padded
+
+        return Gathered(work if async_op else None, finish, layouts)
+
+    def _bytes(self, layouts, shards, dtypes, pg, into, device, async_op, world,
+               rank) -> Gathered:
+        """:meth:`all_gather` of leaves in several dtypes: one flat byte buffer."""
+        bp = byte_plan(layouts, dtypes)
         out = torch.empty(world * bp.segment, dtype=torch.uint8, device=device)
         inp = out.view(world, -1)[rank]
         dst, src, offset = [], [], 0
