@@ -138,14 +138,44 @@ class GradBucket:
                     or self.parts.setdefault(rdt, _Part(rdt, self.device, borrow)))
             self.where[k] = (part, part.add(self.layouts[k], self.spreads[k]))
 
-    def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
-        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
-        A sparse one is made dense (:func:`dense`)."""
+    def _checked(self, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """Leaf ``k``'s gradient, dense, refused unless in the leaf's shape."""
         lay = self.layouts[k]
         grad = dense(grad)
         if grad.shape != lay.shape:  # a torch.Size is a tuple
             raise ValueError(f"gradient of {lay.path!r} has shape {tuple(grad.shape)}, expected "
                              f"{tuple(lay.shape)} on {mesh_str(self.mesh)}")
+        return grad
+
+    def put_all(self, grads: Sequence[tuple[int, torch.Tensor]], *, add: bool = False) -> None:
+        """:meth:`put` of each ``(k, grad)``. The first gradients of sharded leaves whose rows
+        split evenly over the ranks go into place in one ``foreach`` copy per reduce dtype (a
+        leaf's rows are its ranks' chunks in order: one reshape), not one copy each."""
+        if self.skip:
+            for k, grad in grads:
+                self.put(k, grad, add=add)
+            return
+        even: dict[_Part, tuple[list, list]] = {}
+        for k, grad in grads:
+            grad = self._checked(k, grad)
+            part, j = self.where[k]
+            lay, first = self.layouts[k], not (add and part.filled[j])
+            if (first and part.kept is None and lay.sharded and lay.padded_numel
+                    and lay.rows == lay.world * lay.chunk):
+                part.filled[j] = True
+                dsts, srcs = even.setdefault(part, ([], []))
+                dsts.append(part.columns()[j])
+                srcs.append(grad.reshape(lay.world, -1))
+            else:
+                part.put(j, grad, first)
+        for dsts, srcs in even.values():
+            _compat.foreach_copy_(dsts, srcs)  # casts to the reduce dtype, as copy_ does
+
+    def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
+        """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
+        A sparse one is made dense (:func:`dense`)."""
+        lay = self.layouts[k]
+        grad = self._checked(k, grad)
         if self.skip:
             d = self.direct[k]
             if add and d is not None:  # rounded once, as a reduce buffer adds (see _Part.put)
@@ -190,6 +220,7 @@ class _Part:
         self.offsets: list[int] = []  # in the (world, seg) rows, or in the flat buffer
         self.seg = self.flat_numel = 0
         self.inp = self.flat = None
+        self.cols: list | None = None  # per leaf, its (world, padded chunk) columns of inp
         self.filled: list[bool] = []
         # the leaves added first with a spread, and how far they reach in each buffer
         self.spread: tuple[str, ...] = ()
@@ -215,14 +246,28 @@ class _Part:
             self.spread_seg, self.spread_flat = self.seg, self.flat_numel
         return len(self.layouts) - 1
 
+    def columns(self) -> list:
+        """Per leaf, a sharded leaf's ``(world, padded chunk)`` columns of the input (None
+        for a replicated one): one split of the input, made on first use."""
+        if self.cols is None:
+            sharded = [lay for lay in self.layouts if lay.sharded]
+            pieces = iter(self._input(sharded[0].world).split(
+                [lay.padded_numel for lay in sharded], dim=1))
+            self.cols = [next(pieces) if lay.sharded else None for lay in self.layouts]
+        return self.cols
+
+    def _input(self, world: int) -> torch.Tensor:
+        """The (world, seg) reduce-scatter input, allocated on first use."""
+        if self.inp is None:
+            self.inp = torch.empty(world, self.seg, dtype=self.rdt, device=self.device)
+        return self.inp
+
     def _region(self, j: int) -> torch.Tensor:
         """Leaf ``j``'s place: (world, chunk, row_numel) of the input, or its flat slice."""
         lay, off = self.layouts[j], self.offsets[j]
         if lay.sharded:
-            if self.inp is None:
-                self.inp = torch.empty(lay.world, self.seg, dtype=self.rdt, device=self.device)
-            return self.inp[:, off : off + lay.padded_numel].view(lay.world, lay.chunk,
-                                                                  lay.row_numel)
+            return self._input(lay.world)[:, off : off + lay.padded_numel].view(
+                lay.world, lay.chunk, lay.row_numel)
         if self.flat is None:
             self.flat = torch.empty(self.flat_numel, dtype=self.rdt, device=self.device)
         return self.flat[off : off + math.prod(lay.shape)]

@@ -60,9 +60,8 @@ class Reductions:
         if self.local:
             self._put_local(group, grads)
             return
-        bucket, slot = self.bucket(group), self.params.slot[group.gi]
-        for k, grad in grads:
-            bucket.put(slot[k], grad, add=True)
+        slot = self.params.slot[group.gi]
+        self.bucket(group).put_all([(slot[k], grad) for k, grad in grads], add=True)
 
     def _put_local(self, group, grads: list) -> None:
         """:meth:`put_all` on a world of one with one micro-batch: the group's reduced
