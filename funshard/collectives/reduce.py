@@ -174,7 +174,6 @@ class GradBucket:
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
         """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
         A sparse one is made dense (:func:`dense`)."""
-        lay = self.layouts[k]
         grad = self._checked(k, grad)
         if self.skip:
             d = self.direct[k]
