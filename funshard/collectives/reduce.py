@@ -333,9 +333,18 @@ class Reducing:
     def wait(self) -> list[torch.Tensor | None]:
         if self._done is None:
             out: list[torch.Tensor | None] = [None] * len(self._layouts)
+            cast: tuple[list, list] = ([], [])  # (new tensors, results) in other dtypes
             for idx, part in self._parts:
                 for i, p in zip(idx, part.wait()):
-                    out[i] = p.to(self._layouts[i].dtype)
+                    dt = self._layouts[i].dtype
+                    if p.dtype == dt:
+                        out[i] = p
+                    else:  # into the leaf's dtype: one foreach copy for them all
+                        out[i] = torch.empty_like(p, dtype=dt)
+                        cast[0].append(out[i])
+                        cast[1].append(p)
+            if cast[0]:
+                _compat.foreach_copy_(*cast)
             self._done, self._parts = out, []
         return self._done
 
