@@ -380,15 +380,12 @@ if len(MISSING) > _before:
 
 # -- the testing helpers' -------------------------------------------------------------------
 #
-# ``torch.utils._python_dispatch.TorchDispatchMode`` (fs.testing's counters and memory meter
-# are such modes) and ``torch._subclasses.fake_tensor.FakeTensor`` (a compiler's tensor, no
-# memory: the meter leaves it out). fs.testing fails at its import without them.
+# ``torch.utils._python_dispatch.TorchDispatchMode``: fs.testing's counters and memory meter
+# are such modes. fs.testing fails at its import without it.
 TESTING_MISSING: list[str] = []
 _before = len(MISSING)
 _import("torch.utils._python_dispatch")
-_import("torch._subclasses.fake_tensor")
 TorchDispatchMode = _find("torch.utils._python_dispatch", "TorchDispatchMode")
-FakeTensor = _find("torch._subclasses.fake_tensor", "FakeTensor")
 TESTING_MISSING.extend(MISSING[_before:])
 del MISSING[_before:]
 

@@ -237,3 +237,20 @@ def test_a_rank_failure_is_the_test_failure_and_shrinks(tmp_path):
     case = case[:case.index(")\n")]
     assert case.count("tensor(") == 1 and "tensor([], size=(3, 0))" in case, case
     assert "spec=2," in case, case
+
+
+def test_the_memory_meter_leaves_a_compilers_fake_tensors_out():
+    """fs.testing's meter counts real storages only: a compiler's fake tensor says it is on
+    the CPU, and holds no memory (its storage is on "meta")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from funshard.testing.memory import tensor_bytes
+
+    cpu = torch.device("cpu")
+    before = tensor_bytes(cpu)
+    with FakeTensorMode():
+        fakes = [torch.empty(1 << 20) for _ in range(4)]  # 16 MiB, were they counted
+    real = torch.empty(1 << 18)  # 1 MiB
+    grown = tensor_bytes(cpu) - before
+    assert all(f.device == cpu for f in fakes)
+    assert real.untyped_storage().nbytes() <= grown < 2 * real.untyped_storage().nbytes()

@@ -88,7 +88,7 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
 
     out = {}
     for o in objs:
-        if isinstance(o, (LazyParam, _compat.FakeTensor)):  # a fake: no real memory
+        if isinstance(o, LazyParam):
             continue
         t = o._local_tensor if isinstance(o, DTensor) else o
         if t.device.type != device.type:
@@ -97,7 +97,8 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             continue
-        if type(st.nbytes()) is int:  # not a compiler's fake tensor (symbolic sizes)
+        # a compiler's fake tensor says it is on ``device``; its storage is on "meta"
+        if st.device.type == device.type and type(st.nbytes()) is int:
             out[st._cdata] = st
     return out
 
