@@ -84,6 +84,8 @@ def _plan(layouts, dtypes) -> _Plan | None:
         return _PLANS[key]
     except KeyError:
         pass
+    except TypeError:  # a layout holding something unhashable: worked out for this call
+        key = None
     if len(_PLANS) >= 4096:  # a bound, for a process that makes many steps
         _PLANS.clear()
     plan = None
@@ -96,7 +98,8 @@ def _plan(layouts, dtypes) -> _Plan | None:
                   len(layouts[i].shape) == 1) for j, (i, size) in enumerate(zip(bp.order, sizes))]
         plan = _Plan(dt, bp.order, sizes, total, seg, sizes + [seg - total] * (seg > total),
                      [x for x in local if x[2]])
-    _PLANS[key] = plan
+    if key is not None:
+        _PLANS[key] = plan
     return plan
 
 
