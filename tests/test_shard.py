@@ -95,9 +95,11 @@ def grad_parity(spec, shapes, seed, reduce_dtype):
     return worst_vs_reduce, worst_vs_mean, placements_ok, counts
 
 
-def bucket_parity(spec, shapes, puts, seed, borrow=False):
+def bucket_parity(spec, shapes, puts, seed, borrow=False, cuts=None):
     """GradBucket filled one gradient at a time, in any order, some leaves more than once
-    (summed) and some never (zeros) == the mean over ranks of each rank's sums."""
+    (summed) and some never (zeros) == the mean over ranks of each rank's sums. ``cuts``
+    (not None): the puts are handed over in runs through ``put_all`` instead, cut at these
+    positions (a leaf may come twice in one run)."""
     from funshard.collectives import GradBucket
     from funshard.layout import layout_of
 
@@ -109,8 +111,14 @@ def bucket_parity(spec, shapes, puts, seed, borrow=False):
     layouts = [layout_of(k, v) for k, v in s.items()]
     grad = lambda r, j, i: make(shapes[i], "float32", seed + 7919 * (r + 1) + 31 * j)  # noqa
     bucket = GradBucket(layouts, m, rdts, borrow=borrow)
-    for j, i in enumerate(puts):
-        bucket.put(i, grad(rank, j, i), add=True)
+    if cuts is not None:
+        ends = sorted(set(cuts) | {len(puts)})
+        for a, b in zip([0] + ends, ends):
+            bucket.put_all([(i, grad(rank, j, i)) for j, i in enumerate(puts) if a <= j < b],
+                           add=True)
+    else:
+        for j, i in enumerate(puts):
+            bucket.put(i, grad(rank, j, i), add=True)
     with CountCollectives() as cc:
         got = bucket.launch().wait()
     worst = 0.0
@@ -346,7 +354,11 @@ def test_make_mesh_single_process():
 def test_grad_bucket_incremental(pools, spec, shapes, data, seed):
     puts = data.draw(st.lists(st.integers(0, len(shapes) - 1), max_size=8))
     borrow = data.draw(st.booleans())  # gradients kept and sent from (gloo) or copied
-    for rank, res in enumerate(pools.run(spec, bucket_parity, shapes, puts, seed, borrow)):
+    # handed over one at a time, or in runs (as the step hands over a group's gradients)
+    cuts = tuple(data.draw(st.lists(st.integers(0, len(puts)), max_size=3)))
+    cuts = cuts if data.draw(st.booleans()) else None
+    for rank, res in enumerate(pools.run(spec, bucket_parity, shapes, puts, seed, borrow,
+                                         cuts)):
         assert not isinstance(res, str), f"rank {rank}: {res}"
         worst, counts, bad = res
         assert worst < 1e-5, f"rank {rank}: differs from the mean of sums by {worst}"

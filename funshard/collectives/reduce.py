@@ -167,9 +167,9 @@ class GradBucket:
                 dsts.append(part.columns()[j])
                 srcs.append(grad.reshape(lay.world, -1))
             else:
+                _flush(even)  # (a leaf twice in one call: its copy before its sum)
                 part.put(j, grad, first)
-        for dsts, srcs in even.values():
-            _compat.foreach_copy_(dsts, srcs)  # casts to the reduce dtype, as copy_ does
+        _flush(even)
 
     def put(self, k: int, grad: torch.Tensor, *, add: bool = False) -> None:
         """Leaf ``k``'s full gradient; ``add`` sums it with one put before (else: replace).
@@ -204,6 +204,13 @@ class GradBucket:
                                            self.transport)))
         self.parts = {}
         return Reducing(parts, None, self.layouts)
+
+
+def _flush(even: dict) -> None:
+    """The copies :meth:`GradBucket.put_all` holds, done, in one foreach copy per part."""
+    for dsts, srcs in even.values():
+        _compat.foreach_copy_(dsts, srcs)  # casts to the reduce dtype, as copy_ does
+    even.clear()
 
 
 class _Part:
