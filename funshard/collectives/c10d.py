@@ -103,6 +103,45 @@ def _plan(layouts, dtypes) -> _Plan | None:
     return plan
 
 
+def _typed(plan: _Plan, shards, world: int, rank: int, device) -> tuple:
+    """An all-gather of leaves in one dtype: its buffer, this rank's segment, where each
+    shard goes (one split) and what goes there, and the copy out into the padded tensors."""
+    out = torch.empty(world * plan.seg, dtype=plan.dtype, device=device)
+    inp = out[rank * plan.seg : (rank + 1) * plan.seg]
+    pieces = inp.split(plan.slots)
+    dst = [pieces[j] if n == size else pieces[j][:n] for j, _, n, size, _ in plan.local]
+    src = [shards[i] if flat else shards[i].reshape(-1) for _, i, _, _, flat in plan.local]
+
+    def copy_out(padded: list) -> None:
+        views = [padded[i].view(world, -1) for i in plan.order]
+        torch.split_with_sizes_copy(out.view(world, plan.seg)[:, : plan.total], plan.sizes,
+                                    dim=1, out=views)
+
+    return out, inp, dst, src, copy_out
+
+
+def _bytes(layouts, shards, dtypes, world: int, rank: int, device) -> tuple:
+    """:func:`_typed` of leaves in several dtypes: one flat byte buffer, widest dtype first."""
+    bp = byte_plan(layouts, dtypes)
+    out = torch.empty(world * bp.segment, dtype=torch.uint8, device=device)
+    inp = out.view(world, -1)[rank]
+    dst, src, offset = [], [], 0
+    for i, size in zip(bp.order, bp.sizes):
+        n = layouts[i].local_rows * layouts[i].row_numel
+        if n:
+            dst.append(inp[offset : offset + n * dtypes[i].itemsize].view(dtypes[i]))
+            src.append(shards[i].reshape(-1))
+        offset += size
+
+    def copy_out(padded: list) -> None:
+        if bp.order:
+            views = [padded[i].view(world, -1).view(torch.uint8) for i in bp.order]
+            torch.split_with_sizes_copy(out.view(world, bp.segment)[:, : bp.total], bp.sizes,
+                                        dim=1, out=views)
+
+    return out, inp, dst, src, copy_out
+
+
 class C10d(Transport):
     name = "c10d"
     borrows = False
@@ -114,13 +153,9 @@ class C10d(Transport):
         world = pg.size() if pg is not None else 1
         rank = pg.rank() if pg is not None else 0
         plan = _plan(layouts, dtypes)
-        if plan is None:
-            return self._bytes(layouts, shards, dtypes, pg, into, device, async_op, world, rank)
-        out = torch.empty(world * plan.seg, dtype=plan.dtype, device=device)
-        inp = out[rank * plan.seg : (rank + 1) * plan.seg]
-        pieces = inp.split(plan.slots)
-        dst = [pieces[j] if n == size else pieces[j][:n] for j, _, n, size, _ in plan.local]
-        src = [shards[i] if flat else shards[i].reshape(-1) for _, i, _, _, flat in plan.local]
+        out, inp, dst, src, copy_out = (
+            _typed(plan, shards, world, rank, device) if plan is not None
+            else _bytes(layouts, shards, dtypes, world, rank, device))
         if dst:
             _compat.foreach_copy_(dst, src)  # casts to the gather dtype on the way in
         work = None
@@ -129,39 +164,7 @@ class C10d(Transport):
 
         def finish() -> list[torch.Tensor]:
             padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
-            views = [padded[i].view(world, -1) for i in plan.order]
-            torch.split_with_sizes_copy(out.view(world, plan.seg)[:, : plan.total],
-                                        plan.sizes, dim=1, out=views)
-            return padded
-
-        return Gathered(work if async_op else None, finish, layouts)
-
-    def _bytes(self, layouts, shards, dtypes, pg, into, device, async_op, world,
-               rank) -> Gathered:
-        """:meth:`all_gather` of leaves in several dtypes: one flat byte buffer."""
-        bp = byte_plan(layouts, dtypes)
-        out = torch.empty(world * bp.segment, dtype=torch.uint8, device=device)
-        inp = out.view(world, -1)[rank]
-        dst, src, offset = [], [], 0
-        for i, size in zip(bp.order, bp.sizes):
-            n = layouts[i].local_rows * layouts[i].row_numel
-            if n:
-                dst.append(inp[offset : offset + n * dtypes[i].itemsize].view(dtypes[i]))
-                src.append(shards[i].reshape(-1))
-            offset += size
-        if dst:
-            _compat.foreach_copy_(dst, src)  # casts to the gather dtype on the way in
-        work = None
-        if not skips(world):
-            work = self.api.all_gather(out, inp, group=pg, async_op=async_op)
-
-        def finish() -> list[torch.Tensor]:
-            padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
-            if bp.order:
-                views = [padded[i].view(layouts[i].world, -1).view(torch.uint8)
-                         for i in bp.order]
-                src = out.view(layouts[bp.order[0]].world, bp.segment)[:, : bp.total]
-                torch.split_with_sizes_copy(src, bp.sizes, dim=1, out=views)
+            copy_out(padded)
             return padded
 
         return Gathered(work if async_op else None, finish, layouts)
