@@ -10,6 +10,8 @@ place in it is then one split of the segment, worked out once per list of layout
 dtypes (:class:`_Plan`), where a byte buffer needs a slice and a dtype view per leaf and
 call (about 5 us each on a CPU core: a group of 12 leaves gathered 18 times a step). Leaves
 in several dtypes share a byte buffer, widest dtype first (:func:`funshard.layout.byte_plan`).
+Either way the collective moves the buffer as bytes, so every dtype moves on every backend
+(gloo refuses float8 and uint16 buffers).
 
 Which c10d calls move the flat buffers is chosen here, once, by feature detection: torch
 2.13 has ``all_gather_single`` / ``reduce_scatter_single``; older releases (2.11, 2.12)
@@ -159,8 +161,10 @@ class C10d(Transport):
         if dst:
             _compat.foreach_copy_(dst, src)  # casts to the gather dtype on the way in
         work = None
-        if not skips(world):
-            work = self.api.all_gather(out, inp, group=pg, async_op=async_op)
+        if not skips(world):  # bytes move: every dtype, whatever the backend takes (gloo
+            # refuses float8 and uint16 buffers)
+            work = self.api.all_gather(out.view(torch.uint8), inp.view(torch.uint8), group=pg,
+                                       async_op=async_op)
 
         def finish() -> list[torch.Tensor]:
             padded = list(into()) if into is not None else new_padded(layouts, dtypes, device)
