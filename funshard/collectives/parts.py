@@ -69,23 +69,17 @@ class Part:
         for a replicated one): one split of the input, made on first use."""
         if self.cols is None:
             sharded = [lay for lay in self.layouts if lay.sharded]
-            pieces = iter(self._input(sharded[0].world).split(
-                [lay.padded_numel for lay in sharded], dim=1))
+            self.inp = torch.empty(sharded[0].world, self.seg, dtype=self.rdt,
+                                   device=self.device)
+            pieces = iter(self.inp.split([lay.padded_numel for lay in sharded], dim=1))
             self.cols = [next(pieces) if lay.sharded else None for lay in self.layouts]
         return self.cols
-
-    def _input(self, world: int) -> torch.Tensor:
-        """The (world, seg) reduce-scatter input, allocated on first use."""
-        if self.inp is None:
-            self.inp = torch.empty(world, self.seg, dtype=self.rdt, device=self.device)
-        return self.inp
 
     def _region(self, j: int) -> torch.Tensor:
         """Leaf ``j``'s place: (world, chunk, row_numel) of the input, or its flat slice."""
         lay, off = self.layouts[j], self.offsets[j]
         if lay.sharded:
-            return self._input(lay.world)[:, off : off + lay.padded_numel].view(
-                lay.world, lay.chunk, lay.row_numel)
+            return self.columns()[j].view(lay.world, lay.chunk, lay.row_numel)
         if self.flat is None:
             self.flat = torch.empty(self.flat_numel, dtype=self.rdt, device=self.device)
         return self.flat[off : off + math.prod(lay.shape)]
