@@ -119,8 +119,8 @@ def _micro_batches(loss_fn, params: ParamGroups, shards: list, policy: Policy,
         aux_all.append(aux)
         runs.append(run)
     grads = _reduced_grads(runs[-1], len(params.layouts))
-    peaks = (max(r.peak_groups for r in runs), max(r.peak_bytes for r in runs))
-    order = tuple((tuple(r.seen[False]), tuple(r.seen[True])) for r in runs)
+    peaks = tuple(max(p) for p in zip(*(r.peaks() for r in runs)))
+    order = tuple(r.order_seen() for r in runs)
     params.linted = True
     if not isinstance(first, loss_.Mean):
         batches.check_even(batch)

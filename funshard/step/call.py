@@ -76,26 +76,19 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     if run is None or run.backward:
         return torch.func.functional_call(module, params, args, kwargs)
     merged = _merged(params)
-    before = run.installs.setdefault(id(module), merged)
-    if before is not merged and (before.keys() != merged.keys() or any(
-            before[k] is not v for k, v in merged.items())):  # refused if recomputed
-        run.reinstalled = type(module).__name__
-        # the plain tensors the guard watches for in backward (a stand-in a recompute reads
-        # is refused as it is read: lazy._recomputed; the step's own backward reads them)
-        run.reinstalled_ids.update(id(t) for d in (before, merged) for t in d.values()
-                                   if not isinstance(t, lazy.LazyParam))
-    stack = contextlib.ExitStack()
-    stack.enter_context(install(module, merged))
-    run.installed.append((module, stack))  # undone by Run.finish, after backward
+    # undone by Run.finish, after backward; a stand-in a recompute reads is refused as it is
+    # read (lazy._recomputed), so only plain tensors are watched for a second installation
+    calls = run.calls
+    stack = calls.add(module, merged, lazy.LazyParam)
     if run.stand_group:
         _enter_groups(run, module, merged, stack)
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
-    run.calling += 1
+    calls.calling(1)
     try:
         return module(*args, **kwargs)
     finally:
-        run.calling -= 1
+        calls.calling(-1)
 
 
 # the dtype fs.call casts floating-point inputs to while an eval_step's fn runs
@@ -211,7 +204,7 @@ def enter_module(run, gi: int, leaves: list) -> dict:
     module] in :mod:`.call`): the group is gathered now, before the module's first op, and
     stays resident until the module returns. Returns its full tensors by name in the
     module."""
-    run.inside[gi] = run.inside.get(gi, 0) + 1
+    run.calls.enter(gi)
     group = run.groups[gi]
     if group.resident:
         run.use([gi], new_op=True)
@@ -237,11 +230,8 @@ def recomputed(run, gi: int, leaves: list) -> dict:
 def leave_module(run, gi: int) -> None:
     """Group ``gi``'s module returns: the group is the latest op's again, freed (FULL_SHARD)
     when an op gathers another group, kept into backward if none does (the last block)."""
-    n = run.inside.pop(gi) - 1
-    if n:
-        run.inside[gi] = n
-    elif gi not in run.active:
-        run.active.append(gi)
+    if not run.calls.leave(gi):
+        run.hold(gi)
 
 
 @lazy.eager  # under a compiled loss_fn too: dynamo cannot follow module lookups by path
@@ -333,7 +323,7 @@ def _regathered(run: Run, gi: int, forward, *args, **kwargs):
 
 def check_found(run: Run) -> None:
     """After ``loss_fn``: ``Policy(checkpoint=)`` found its modules through ``fs.call``."""
-    if run.policy.checkpoint and not run.installed:
+    if run.policy.checkpoint and not run.calls.any():
         raise ValueError(
             "train_step: Policy(checkpoint=...) checkpoints the modules of the groups it "
             "selects, which it finds in the module loss_fn calls through fs.call; loss_fn "

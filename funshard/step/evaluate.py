@@ -108,8 +108,8 @@ def _eager(fn: Callable, policy: Policy, groups: ParamGroups, leaves: list, bufs
     """``fn`` on stand-ins that gather their groups as it reaches them."""
     shards = [d._local_tensor.detach() for d in leaves]
     run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
-              record=groups.schedule is None)  # the first call learns the order
-    run.tapped = False  # no gradients: nothing is streamed to a bucket
+              record=groups.schedule is None,  # the first call learns the order
+              streams=False)  # no gradients: nothing is streamed to a bucket
     stands = lazy.stand_ins(run, groups, shards, requires_grad=False)
     tree = pytree.unflatten(groups.spec, stands)
     if bufs is not None:

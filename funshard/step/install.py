@@ -19,6 +19,7 @@ and every call traced by ``torch.compile``, go through ``_reparametrize_module``
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -132,3 +133,92 @@ class _Installed:
                 tensors[name] = now
             where[key] = old
         return False
+
+
+class Installations:
+    """What ``fs.call`` installed in one micro-batch, undone (last first) when its backward is
+    done (:meth:`undo`); whether it installed a module twice with other tensors; how many of
+    its module calls run, and which group modules' forwards run, how deep."""
+
+    __slots__ = ("_stacks", "_tensors", "_twice", "_twice_ids", "_calls", "_depth")
+
+    def __init__(self):
+        self._stacks: list[tuple] = []  # (module, its installation's ExitStack)
+        self._tensors: dict[int, dict] = {}  # per module installed: the tensors
+        self._twice = ""  # a module installed twice with other tensors
+        self._twice_ids: set[int] = set()  # its installations' tensors the guard watches
+        self._calls = 0  # module calls in progress
+        self._depth: dict[int, int] = {}  # group -> how deep its module's forward runs
+
+    def add(self, module: torch.nn.Module, tensors: dict, stand_in: type) -> contextlib.ExitStack:
+        """``tensors`` installed in ``module`` until :meth:`undo`: the ExitStack returned
+        takes the call's other undos. A second installation of ``module`` with other tensors
+        is noted, with its tensors but ``stand_in``'s (a stand-in a recompute reads is
+        refused as it is read)."""
+        before = self._tensors.setdefault(id(module), tensors)
+        if before is not tensors and (before.keys() != tensors.keys() or any(
+                before[k] is not v for k, v in tensors.items())):  # refused if recomputed
+            self._twice = type(module).__name__
+            self._twice_ids.update(id(t) for d in (before, tensors) for t in d.values()
+                                   if not isinstance(t, stand_in))
+        stack = contextlib.ExitStack()
+        stack.enter_context(install(module, tensors))
+        self._stacks.append((module, stack))
+        return stack
+
+    def any(self) -> bool:
+        """Whether ``fs.call`` installed anything in this micro-batch."""
+        return bool(self._stacks)
+
+    def twice(self) -> str:
+        """The class name of a module installed twice with other tensors, or ""."""
+        return self._twice
+
+    def twice_ids(self) -> set[int]:
+        """The ids of those installations' tensors (stand-ins aside)."""
+        return self._twice_ids
+
+    def left_in_place(self) -> set[int]:
+        """The ids of the installed modules' own ``nn.Parameter``s (those no call named)."""
+        return {id(p) for module, _ in self._stacks for p in module.parameters()
+                if isinstance(p, torch.nn.Parameter)}
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """``t``'s name in an installed module, if it is one's own, else ""."""
+        for module, _ in self._stacks:
+            for name, own in own_tensors(module):
+                if own is t:
+                    return name
+        return ""
+
+    def calling(self, by: int) -> None:
+        """A module call starts (``by=1``) or returns (``by=-1``)."""
+        self._calls += by
+
+    def in_call(self) -> bool:
+        """Whether a module call is in progress."""
+        return self._calls > 0
+
+    def enter(self, gi: int) -> None:
+        """Group ``gi``'s module's forward starts."""
+        self._depth[gi] = self._depth.get(gi, 0) + 1
+
+    def leave(self, gi: int) -> bool:
+        """Group ``gi``'s module's forward returns; whether one of its forwards still runs."""
+        n = self._depth.pop(gi) - 1
+        if n:
+            self._depth[gi] = n
+        return n > 0
+
+    def within(self, gi: int) -> bool:
+        """Whether group ``gi``'s module's forward runs."""
+        return gi in self._depth
+
+    def undo(self) -> None:
+        """Every installation undone, last first."""
+        while self._stacks:
+            self._stacks.pop()[1].close()
+
+    def release(self) -> None:
+        """Drop the tensors noted per module."""
+        self._tensors = {}

@@ -145,8 +145,7 @@ def _on_stand_ins(func, args: tuple, kwargs: dict):
         )
     if run.backward:  # a forward recomputed in backward: see [Note: recomputation]
         return _recomputed(run, func, args, kwargs, lazies)
-    if not (run.calling or run.checkpointing):
-        run.checkpointing = recompute.in_region()
+    run.note_region()
     if func is F.batch_norm:
         _refuse_running_stats(args, kwargs)
     if _writes_into(func, args, kwargs, lazies):

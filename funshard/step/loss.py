@@ -37,7 +37,6 @@ import torch
 
 from .. import pytree
 from . import scaling
-from .install import own_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +172,7 @@ def check_reaches_only_params(run, loss: torch.Tensor) -> None:
         stack.extend(fn for fn, _ in node.next_functions)
     if foreign:
         t = foreign[0]
-        name = _module_name(run, t)
+        name = run.calls.name_of(t)
         what = (f"parameter {name!r} (shape {tuple(t.shape)}, {t.dtype}) of a module given "
                 f"to fs.call" if name else
                 f"an nn.Parameter of shape {tuple(t.shape)}, {t.dtype}")
@@ -184,15 +183,6 @@ def check_reaches_only_params(run, loss: torch.Tensor) -> None:
             "to fs.shard (fs.params(model) lists every parameter; call the model whole "
             "through fs.call), or freeze it (requires_grad_(False)) or detach it. The "
             "parameters and optimizer state are unchanged.")
-
-
-def _module_name(run, t: torch.Tensor) -> str:
-    """``t``'s name in a module ``fs.call`` installed parameters into, if it is one's own."""
-    for module, _ in run.installed:
-        for name, own in own_tensors(module):
-            if own is t:
-                return name
-    return ""
 
 
 def check_differentiable(loss: torch.Tensor, params=None) -> None:

@@ -123,7 +123,7 @@ def backward(run, loss: torch.Tensor) -> None:
     elsewhere: the step's own hooks make a few hundred Python-level torch calls in backward,
     which the guard would see (20% of the host-bound GPT's step, measured), and through
     ``fs.call`` a recompute reads the step's tensors."""
-    if not (run.direct or run.checkpointing or run.reinstalled) or _run_backward is None:
+    if not run.guarded() or _run_backward is None:
         loss.backward()
         return
     ones = torch.ones_like(loss)
@@ -142,21 +142,20 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
     def __init__(self, run):
         super().__init__()
         self.run, self._own = run, None
-        self.reinstalled = run.reinstalled_ids
+        self.reinstalled = run.calls.twice_ids()
 
     @property
     def own(self) -> set[int]:
         """The module parameters fs.call left in place (params did not name them)."""
         if self._own is None:
-            self._own = {id(p) for module, _ in self.run.installed
-                         for p in module.parameters() if isinstance(p, torch.nn.Parameter)}
+            self._own = self.run.calls.left_in_place()
         return self._own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for x in (*args, *kwargs.values()):
             if self.reinstalled and id(x) in self.reinstalled:
-                raise reinstalled(self.run.reinstalled)
+                raise reinstalled(self.run.calls.twice())
             if isinstance(x, torch.nn.Parameter) and id(x) not in self.own:
                 raise NotImplementedError(
                     "train_step: activation checkpointing recomputed a forward that read a "
@@ -173,8 +172,8 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
 def check_reinstalled(run) -> None:
     """A recompute (in backward) of a forward in which ``fs.call`` installed a module twice
     with other tensors: refused (it would run every call on the last one's tensors)."""
-    if run.reinstalled:
-        raise reinstalled(run.reinstalled)
+    if run.calls.twice():
+        raise reinstalled(run.calls.twice())
 
 
 def reinstalled(name: str) -> NotImplementedError:

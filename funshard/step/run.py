@@ -18,6 +18,7 @@ from ..layout import as_model
 from . import lazy, recompute
 from .grads import Reductions
 from .group import Group, S
+from .install import Installations
 from .params import ParamGroups
 from .saved import SavedParams
 from .schedule import make_schedule
@@ -35,11 +36,12 @@ class Run:
 
     def __init__(self, params: ParamGroups, shards: list, policy, buckets: dict,
                  accumulating: bool, sync: bool, record: bool, direct: bool = False,
-                 used: set | None = None):
+                 used: set | None = None, streams: bool = True):
         self.params, self.shards, self.policy = params, shards, policy
         self.sync, self.record = sync, record
         self.direct = direct  # shards are the leaves loss_fn gets: see .direct
-        self.tapped = not collectives.skips(params.data_world)  # large gradients: lazy.Tap
+        # large gradients streamed to their buckets (lazy.Tap); ``streams``: there are some
+        self.tapped = streams and not collectives.skips(params.data_world)
         self.storage: dict[int, tuple[Group, int]] = {}  # storage data_ptr -> (group, leaf)
         self.groups = [Group(gi, params, shards, self.storage, policy.transport)
                        for gi in range(len(params.members))]
@@ -56,13 +58,8 @@ class Run:
         self.stand_group: dict[int, tuple] = {}  # id of a stand-in -> (group, leaf)
         # activation checkpointing (see [Note: recomputation] in .recompute)
         self.recompute: tuple = (None, {})  # (autograd node recomputing, its leaves)
-        self.installed: list = []  # fs.call's (module, installation), undone at finish
-        self.installs: dict[int, dict] = {}  # per module fs.call installed: the tensors
-        self.reinstalled = ""  # a module fs.call installed twice with other tensors
-        self.calling = 0  # fs.call module calls in progress
+        self.calls = Installations()  # fs.call's, undone at finish
         self.checkpointing = False  # a region outside them met a stand-in (recompute.backward)
-        self.reinstalled_ids: set[int] = set()  # its installations' plain tensors
-        self.inside: dict[int, int] = {}  # groups whose module's forward runs: its depth
 
     @property
     def kept(self) -> int | None:
@@ -77,6 +74,31 @@ class Run:
         fulls = group.gather()
         self.note_peak()
         return fulls
+
+    def peaks(self) -> tuple[int, int]:
+        """The most groups gathered or in flight at once, and the most bytes they held."""
+        return self.peak_groups, self.peak_bytes
+
+    def order_seen(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The groups in the order forward gathered them, and backward."""
+        return tuple(self.seen[False]), tuple(self.seen[True])
+
+    def hold(self, gi: int) -> None:
+        """Group ``gi`` is the latest op's again (its module returned): freed when an op
+        gathers another group (FULL_SHARD), kept into backward if none does."""
+        if gi not in self.active:
+            self.active.append(gi)
+
+    def note_region(self) -> None:
+        """A stand-in's op outside fs.call's module calls: backward guards its recompute
+        if it runs in a checkpoint region (:func:`recompute.backward`)."""
+        if not (self.checkpointing or self.calls.in_call()):
+            self.checkpointing = recompute.in_region()
+
+    def guarded(self) -> bool:
+        """Whether a recompute in backward could read what the step did not give it (see
+        :func:`recompute.backward`)."""
+        return self.direct or self.checkpointing or bool(self.calls.twice())
 
     def note_peak(self) -> None:
         live = [g for g in self.groups if g.resident or g.pending is not None]
@@ -95,7 +117,7 @@ class Run:
             self.active = list(dict.fromkeys(gis))
             if self.backward or self.policy.reshard_after_forward:
                 for g in stale:  # a group whose module runs stays (call.leave_module hands it back)
-                    if self.backward or (g != self.kept and g not in self.inside):
+                    if self.backward or (g != self.kept and not self.calls.within(g)):
                         self.groups[g].free()
         else:
             self.active.extend(g for g in gis if g not in self.active)
@@ -264,8 +286,7 @@ class Run:
                 self.grads.launch(group)
 
     def finish(self) -> None:
-        while self.installed:  # fs.call's installations, last first
-            self.installed.pop()[1].close()
+        self.calls.undo()
         for g in self.groups:
             if g.state is S.ALIASED:
                 self.hand_over(g)
@@ -295,5 +316,5 @@ class Run:
         self.grads.release()
         self.saved.release()
         self.recompute = (None, {})  # its autograd node reaches every ctx, and so this run
-        self.installs = {}
+        self.calls.release()
         self.shards = []
