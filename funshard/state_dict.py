@@ -61,17 +61,7 @@ def _flat(tree: Tree) -> tuple[list[str], list[Any], Any]:
     if isinstance(tree, tuple) and hasattr(tree, "_donated_to"):
         tree = type(tree)._make(tree)
     paths, leaves, spec = pytree.flatten_with_path(tree)
-    keys = []
-    for path in paths:
-        node, parts = tree, []
-        for k in path:
-            fields = getattr(node, "_fields", None) if isinstance(node, tuple) else None
-            parts.append(fields[k] if fields is not None else str(k))
-            try:
-                node = node[k]
-            except (TypeError, KeyError, IndexError):
-                node = None
-        keys.append(".".join(parts) if parts else "<root>")
+    keys = [_key(tree, path)[0] for path in paths]
     seen = set()
     for k in keys:
         if k in seen:
@@ -79,6 +69,22 @@ def _flat(tree: Tree) -> tuple[list[str], list[Any], Any]:
                              "paths are unique")
         seen.add(k)
     return keys, leaves, spec
+
+
+def _key(tree: Tree, path: tuple) -> tuple[str, bool]:
+    """The key of the leaf at ``path``, and whether it is in a field that a state dict saved
+    before the field existed lacks (a NamedTuple's ``_later``: a field whose None means "not
+    known", such as ``TorchState.count``)."""
+    node, parts, later = tree, [], False
+    for k in path:
+        fields = getattr(node, "_fields", None) if isinstance(node, tuple) else None
+        parts.append(fields[k] if fields is not None else str(k))
+        later = later or (fields is not None and fields[k] in getattr(node, "_later", ()))
+        try:
+            node = node[k]
+        except (TypeError, KeyError, IndexError):
+            node = None
+    return (".".join(parts) if parts else "<root>"), later
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -226,14 +232,17 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
     for k, v in zip(keys, likes):  # placements funshard lays out, or an error
         if isinstance(v, DTensor):
             layout_of(k, v, what="load_state_dict", model=True)
+    unknown: set = set()  # keys of fields sd predates whose None means "not known"
     if isinstance(sd, dict):
-        sd = with_later_fields(sd, like, dict(zip(keys, likes)))
+        like_sd = dict(zip(keys, likes))
+        unknown = {k for k, v in later_fields(like, like_sd).items() if v is None and k not in sd}
+        sd = with_later_fields(sd, like, like_sd)
     if rank0_only and _world() > 1:
-        values = _load_rank0(sd, keys, likes, strict=strict)
+        values = _load_rank0(sd, keys, likes, strict=strict, unknown=unknown)
     else:
         if not isinstance(sd, dict):
             raise TypeError(f"load_state_dict: sd must be a dict, got {type(sd).__name__}")
-        problems = _problems(sd, keys, likes, strict=strict)
+        problems = _problems(sd, keys, likes, strict=strict, unknown=unknown)
         if problems:
             raise ValueError(_report(problems))
         values = [_build(k, sd[k], v) for k, v in zip(keys, likes)]
@@ -244,14 +253,20 @@ SCALE = "loss_scale."  # the keys of a TrainState's loss scale (see later_fields
 
 
 def later_fields(like: Tree, like_sd: dict) -> dict[str, Any]:
-    """A TrainState's keys that a state dict or checkpoint may lack, and their value then:
-    ``skipped`` (0: states saved before it existed counted every step in the optimizer's),
-    and ``loss_scale`` (like's: a run saved without loss scaling resumed with it starts where
-    the Policy starts)."""
+    """The keys that a state dict or checkpoint may lack, and their value then: a field a
+    NamedTuple names in ``_later`` (None: not known; ``TorchState.count``, read from the
+    state's own tensors); in a TrainState ``skipped`` (0: states saved before it existed
+    counted every step in the optimizer's) and ``loss_scale`` (like's: a run saved without
+    loss scaling resumed with it starts where the Policy starts)."""
+    if isinstance(like, tuple) and hasattr(like, "_donated_to"):
+        like = type(like)._make(like)
+    unknown = {k: None for k, later in (_key(like, path) for path in
+                                        pytree.flatten_with_path(like)[0]) if later}
     fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
     if "params" not in fields or "skipped" not in fields:
-        return {}
-    return {"skipped": 0, **{k: v for k, v in like_sd.items() if k.startswith(SCALE)}}
+        return unknown
+    return {"skipped": 0, **unknown,
+            **{k: v for k, v in like_sd.items() if k.startswith(SCALE)}}
 
 
 def with_later_fields(sd: dict, like: Tree, like_sd: dict) -> dict:
@@ -264,8 +279,10 @@ def with_later_fields(sd: dict, like: Tree, like_sd: dict) -> dict:
             **{k: v for k, v in sd.items() if k in like_sd or not k.startswith(SCALE)}}
 
 
-def _problems(sd: dict, keys: list[str], likes: list[Any], *, strict: bool) -> list[str]:
-    """Every difference between ``sd`` and ``like``, one line each, naming key and shapes."""
+def _problems(sd: dict, keys: list[str], likes: list[Any], *, strict: bool,
+              unknown: set = frozenset()) -> list[str]:
+    """Every difference between ``sd`` and ``like``, one line each, naming key and shapes
+    (``unknown``: keys of a field ``sd`` predates, None there)."""
     out = []
     wanted = set(keys)
     for k, want in zip(keys, likes):
@@ -273,6 +290,8 @@ def _problems(sd: dict, keys: list[str], likes: list[Any], *, strict: bool) -> l
             out.append(f"missing key {k!r} (like: {_describe_value(want)})")
             continue
         got = sd[k]
+        if k in unknown:
+            continue
         if not isinstance(want, torch.Tensor):
             if isinstance(got, torch.Tensor) and got.numel() == 1 and not isinstance(got, DTensor):
                 got = got.item()
@@ -359,7 +378,7 @@ def _like(local: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return local.requires_grad_(want.requires_grad) if want.requires_grad else local
 
 
-def _load_rank0(sd, keys, likes, *, strict: bool) -> list[Any]:
+def _load_rank0(sd, keys, likes, *, strict: bool, unknown: set) -> list[Any]:
     """rank0_only: rank 0 validates, then scatters each group's shards (one scatter per group)."""
     rank = _rank()
     msg, scalars = None, {}
@@ -367,7 +386,7 @@ def _load_rank0(sd, keys, likes, *, strict: bool) -> list[Any]:
         if not isinstance(sd, dict):
             msg = f"load_state_dict: sd must be a dict on rank 0, got {type(sd).__name__}"
         else:
-            problems = _problems(sd, keys, likes, strict=strict)
+            problems = _problems(sd, keys, likes, strict=strict, unknown=unknown)
             if any(isinstance(sd[k], (DTensor, LocalShard)) for k in keys if k in sd):
                 problems.append("rank0_only=True takes a full state dict (plain tensors); this "
                                 "one has DTensors or LocalShards: pass rank0_only=False")

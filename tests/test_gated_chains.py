@@ -43,6 +43,12 @@ OPTIMIZERS = {
     "torch_adamw_fused": lambda: with_policy(O.from_torch(
         torch.optim.AdamW, lr=O.warmup_cosine(1e-2, 2, 5), weight_decay=0.1, fused=True),
         clip_norm=0.5),
+    # torch's foreach AdamW (its step as funshard's own ops, gated), a schedule and a clip
+    "torch_adamw": lambda: with_policy(O.from_torch(
+        torch.optim.AdamW, lr=O.warmup_cosine(1e-2, 2, 5), weight_decay=0.1), clip_norm=0.5),
+    # torch's Adam with an L2 penalty and its own betas
+    "torch_adam_l2": lambda: O.from_torch(torch.optim.Adam, lr=1e-2, weight_decay=0.1,
+                                          betas=(0.8, 0.99), foreach=True),
     "sgd_chain": lambda: O.chain(O.clip_by_global_norm(0.5),
                                  O.chain(O.add_decayed_weights(0.01), O.trace(0.9, nesterov=True),
                                          O.scale_by_learning_rate(0.1))),
@@ -50,10 +56,13 @@ OPTIMIZERS = {
 
 
 def _counts(name: str, opt_state) -> dict:
-    if name.startswith("torch"):  # the updates torch took, and its own step count
-        return {k: None if n is None else (int(local(n).item()), float(local(s).item()))
-                for (k, n), s in zip(opt_state.stepped.items(),
-                                     opt_state.state["step"].values())}
+    if name.startswith("torch"):  # the updates torch took, its own step count, the host's
+        assert all(n is None or int(local(n).item()) == c for n, c in zip(
+            opt_state.stepped.values(), opt_state.count.values())), opt_state
+        return {k: None if n is None else (int(local(n).item()), float(local(s).item()), c)
+                for (k, n), s, c in zip(opt_state.stepped.items(),
+                                        opt_state.state["step"].values(),
+                                        opt_state.count.values())}
     return dict((opt_state.inner_states["other"] if name.startswith("muon")
                  else opt_state).count)
 
@@ -137,7 +146,7 @@ def compiled_or_not(spec, name: str, compile, bads: tuple, read: bool, steps: in
 
 
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
-@pytest.mark.parametrize("name", ["muon", "muon_schedules", "torch_adamw_fused"])
+@pytest.mark.parametrize("name", ["muon", "muon_schedules", "torch_adamw", "torch_adamw_fused"])
 def test_the_compiled_step_gates_as_the_eager_step(pools, name, read):
     """The compiled step runs Muon's matrices (torch's fused AdamW: all of it) eagerly,
     gated on the device as the eager step does (the rest in its update program), and reads
@@ -180,11 +189,14 @@ def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, polic
     _law(pools, name, tuple(sorted(bads)) if policy != "plain" else (), policy)
 
 
+@pytest.mark.parametrize("name", ["torch_adamw", "torch_adam_l2", "torch_adamw_fused"])
 @pytest.mark.parametrize("policy", ["refuse", "skip"])
-def test_torch_fused_gated_as_read_on_two_ranks(pools, policy):
-    """The law for torch's fused AdamW on 2 ranks, the second and fourth batches NaN: its
-    kernel skips them on the device (found_inf) as the read step skips or refuses them."""
-    _law(pools, "torch_adamw_fused", (1, 3), policy)
+def test_torch_gated_as_read_on_two_ranks(pools, name, policy):
+    """The law for torch's Adam and AdamW on 2 ranks, the second and fourth batches NaN:
+    gated on the device (foreach: funshard's ops with its scalars; fused: its kernel's
+    found_inf), they skip or refuse them as the read step does, torch's own step, bit for
+    bit."""
+    _law(pools, name, (1, 3), policy)
 
 
 def _law(pools, name: str, bads: tuple, policy: str) -> None:

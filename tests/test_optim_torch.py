@@ -134,12 +134,15 @@ def test_lr_schedule_is_torch_lambda_lr():
         torch.testing.assert_close(params[k].detach(), ref[k].detach(), rtol=1e-7, atol=1e-7)
 
 
-def save_half(spec, path):
+def save_half(spec, path, counts=True):
+    """Two steps, saved; ``counts=False``: as a state made before the host kept its counts."""
     m = mesh(spec)
     init, grads = _data(3)
     opt = optim.from_torch(torch.optim.Adam, lr=1e-2)
     params = _sharded(m, init)
     params, state = _run(opt, params, opt.init(params), grads, 0, 2)
+    assert state.count == {"w": 2, "b": 1, "s": 2, "e": 2}, state.count  # ("b": a step late)
+    state = state if counts else state._replace(count=None)
     fs.checkpoint.save(path, fs.TrainState(params, state, 2))
     return sorted(fs.state_dict(state, "sharded"))
 
@@ -155,12 +158,41 @@ def load_rest(spec, path):
     return max((full[k] - ref[k]).abs().max().item() for k in SHAPES)
 
 
-def test_state_checkpoints_on_2_and_loads_resharded_on_2x2(pools, tmp_path):
+@pytest.mark.parametrize("counts", [True, False], ids=["counts", "saved_before_counts"])
+def test_state_checkpoints_on_2_and_loads_resharded_on_2x2(pools, tmp_path, counts):
+    """Saved on 2 ranks, loaded on 2x2, the rest of the steps as one process; a checkpoint
+    saved before the host kept torch's step counts (no ``count``) loads as well: the counts
+    are read from ``stepped``."""
     path = str(tmp_path / "step_2")
-    keys = pools.run(2, save_half, path)[0]
+    keys = pools.run(2, save_half, path, counts)[0]
     assert "state.exp_avg.w" in keys and "state.step.s" in keys and "stepped.b" in keys
+    assert ("count.b" in keys) == counts, keys
     for err in pools.run("2x2", load_rest, path):
         assert err < 1e-6, err
+
+
+def test_a_state_dict_without_host_counts_loads_and_steps_alike():
+    """A state dict of a state made before the host kept torch's step counts loads with
+    them unknown (None), and the steps after it are those of the state it came from, bit
+    for bit, its counts read back from ``stepped``."""
+    init, grads = _data(4)
+    m = fs.make_mesh(device_type="cpu")
+    opt = optim.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    params = _sharded(m, init)
+    params, state = _run(opt, params, opt.init(params), grads, 0, 2)
+    sd = fs.state_dict(fs.TrainState(params, state, 2), "full")
+    old = {k: v for k, v in sd.items() if not k.startswith("opt_state.count.")}
+    assert len(old) == len(sd) - len(SHAPES)
+    like = _sharded(m, init)
+    like = fs.TrainState(like, opt.init(like), 0)
+    loaded = fs.load_state_dict(old, like=like)
+    assert loaded.opt_state.count == {k: None for k in SHAPES}, loaded.opt_state.count
+    with pytest.raises(ValueError, match="type mismatch at 'opt_state.count.w'"):
+        fs.load_state_dict({**sd, "opt_state.count.w": None}, like=like)  # only if absent
+    a, sa = _run(opt, params, state, grads, 2, STEPS)
+    b, sb = _run(opt, loaded.params, loaded.opt_state, grads, 2, STEPS)
+    assert all(torch.equal(a[k].full_tensor(), b[k].full_tensor()) for k in SHAPES)
+    assert sa.count == sb.count == {"w": 4, "b": 3, "s": 4, "e": 4}, (sa.count, sb.count)
 
 
 @pytest.mark.parametrize("name, why", [

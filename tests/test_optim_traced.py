@@ -99,7 +99,11 @@ def test_the_held_update_gives_the_chains_numbers(name, clip, lr, steps, skip, s
 def test_only_the_usual_optimizers_have_a_held_form():
     assert traced.traceable(fs.optim.sgd(0.1).traced)  # no momentum: no state either
     assert fs.optim.chain(fs.optim.scale_by_adam(), fs.optim.scale(-1e-3)).traced is None
-    assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3).traced is None
+    # torch's RMSprop, and Adam with amsgrad, step in host code; torch's Adam gated ("torch")
+    assert fs.optim.from_torch(torch.optim.RMSprop, lr=1e-3).traced is None
+    assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3, amsgrad=True).traced is None
+    assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3, foreach=False).traced is None
+    assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3).traced.kind == "torch"
     twice = with_policy(with_policy(fs.optim.adamw(1e-3), clip_norm=1.0), clip_norm=2.0)
     assert twice.traced is None  # two clips in front: the chain's own update
     once = with_policy(fs.optim.adamw(1e-3), clip_norm=1.0, skip_nonfinite=True)

@@ -24,9 +24,13 @@ PICKS = {"one_group": ["none", "rank0", "all", "none"],
          "per_module": ["none", "all", "none", "all"]}
 GROUPS = {"one_group": None, "per_module": lambda fqn: fqn.split(".")[0]}
 OPTIMIZERS = {
-    # torch.optim on the shards: skips a None gradient, with AdamW's own per-leaf step
+    # torch.optim on the shards: skips a None gradient, with AdamW's own per-leaf step (its
+    # foreach step as funshard's own ops, gated on the device)
     "torch_adamw": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    # torch's RMSprop: its step is host code, run after the step's read of its verdict
+    "torch_rmsprop": (lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2),
+                      lambda ps: torch.optim.RMSprop(ps, lr=1e-2)),
     # torch's fused kernel, skipping on the device a leaf no rank reached (found_inf)
     "torch_adamw_fused": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
                                                       weight_decay=0.1, fused=True),
@@ -159,15 +163,16 @@ def test_unreached_leaves_under_other_policies(pools, policy):
         assert max(r["errs"]) < tol, (rank, r)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "torch_adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "torch_adamw", "torch_rmsprop"])
 def test_the_leaves_reached_cost_no_second_all_reduce_where_the_device_gates(pools,
                                                                              optimizer):
-    """With sgd (an update gated on the device), the step's one metrics all-reduce carries
-    a flag per leaf, whichever leaves the ranks reached. With an optimizer that runs after
-    the host read (from_torch): the one all-reduce where every leaf was reached on every
-    rank (step 2), one more, of a flag per leaf, where some rank left one (steps 0, 1, 3)."""
+    """With sgd or torch's AdamW (updates gated on the device), the step's one metrics
+    all-reduce carries a flag per leaf, whichever leaves the ranks reached. With an optimizer
+    that runs after the host read (torch's RMSprop): the one all-reduce where every leaf was
+    reached on every rank (step 2), one more, of a flag per leaf, where some rank left one
+    (steps 0, 1, 3)."""
     for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", optimizer, {})):
-        want = [1, 1, 1, 1] if optimizer == "sgd" else [2, 2, 1, 2]
+        want = [2, 2, 1, 2] if optimizer == "torch_rmsprop" else [1, 1, 1, 1]
         assert r["all_reduces"] == want, (rank, r)
 
 
@@ -213,7 +218,7 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool, compile=False):
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening", "muon",
-                                       "torch_adamw_fused"])
+                                       "torch_adamw", "torch_adamw_fused"])
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
 def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimizer, read):
     """Where a rank's loss left a leaf unreached, whether another rank reached it is a flag

@@ -8,8 +8,9 @@ while the update is issued (:mod:`funshard.step.update` does so still, for the o
 the device cannot gate). Here, for an update an
 :class:`~funshard.step.update_program.UpdateProgram` holds (``adam``, ``adamw``, ``sgd``:
 the compiled step's program, or the eager step's foreach ops gated on the device, [Note: an
-update gated on the device] in :mod:`funshard.optim.gated`; ``muon``; and torch's fused Adam
-and AdamW through ``from_torch``, whose kernel skips where its ``found_inf`` says), the same
+update gated on the device] in :mod:`funshard.optim.gated`; ``muon``; and torch's Adam and
+AdamW through ``from_torch``: fused, its kernel skips where its ``found_inf`` says; else its
+step as ``adamw``'s gated ops), the same
 all-reduce carries the same sums, and the device works out what the host did: ``ok`` (the
 loss and norm finite, the ranks' gather orders and kinds of loss alike, and no earlier step
 refused and unread) and the clip factor. The update program applies the update where ``ok``

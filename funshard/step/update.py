@@ -1,5 +1,5 @@
 """After backward, for an optimizer the device cannot gate (a chain that is not ``adam``,
-``adamw`` or ``sgd``, ``from_torch`` but for torch's fused Adam and AdamW; ``adam``,
+``adamw`` or ``sgd``, ``from_torch`` but for torch's Adam and AdamW; ``adam``,
 ``adamw``, ``sgd``, ``muon`` and those read nothing: :mod:`funshard.step.deferred`): the
 step's metrics, its non-finite rule, and the optimizer.
 

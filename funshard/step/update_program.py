@@ -13,8 +13,9 @@ gradients' program it reads nothing of the caller's from Python (the schedule ru
 host), so where dynamo would compile it again (gradients that came in another memory
 layout) it does, rather than refuse the step. A chain of fs.optim's pieces that is one of
 those three counts as it (:func:`~funshard.optim.traced.traced_of`). ``from_torch`` of
-torch's fused Adam or AdamW runs eagerly, in both steps, gated on the device by its kernel's
-``found_inf`` ([Note: torch's fused step gated on the device] in
+torch's Adam or AdamW runs eagerly, in both steps, gated on the device: fused, by its
+kernel's ``found_inf``; else as :func:`funshard.optim.gated.adam_eager` ([Note: torch's
+fused step gated on the device], [Note: torch's Adam gated on the device] in
 :mod:`funshard.optim.torch_optim`); any other optimizer (another chain, another
 ``from_torch``) runs its update eagerly after the program and the host's read.
 
