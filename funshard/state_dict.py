@@ -30,6 +30,7 @@ from .layout import as_dtensor, as_model, layout_of, local_slice, model_box, mod
 from ._ranks import _broadcast_obj, _rank, _world
 from ._scatter import _broadcast_full, _scatter_group
 from .mesh import mesh_str, model_dims
+from .state_keys import _flat, later_fields, with_later_fields
 from .step.schedule import default_group
 
 Tree = Any
@@ -51,40 +52,6 @@ class LocalShard(NamedTuple):
 
 
 # -- keys --------------------------------------------------------------------------------
-
-
-def _flat(tree: Tree) -> tuple[list[str], list[Any], Any]:
-    """Keys (FQNs, NamedTuple fields by name), leaves and structure; None leaves skipped.
-    A step's state is read through its fields (optree reads a tuple's items directly):
-    its checks settled, refused once donated, its counts as corrected (``funshard.step``'s
-    donation and deferred modules)."""
-    if isinstance(tree, tuple) and hasattr(tree, "_donated_to"):
-        tree = type(tree)._make(tree)
-    paths, leaves, spec = pytree.flatten_with_path(tree)
-    keys = [_key(tree, path)[0] for path in paths]
-    seen = set()
-    for k in keys:
-        if k in seen:
-            raise ValueError(f"two leaves flatten to the key {k!r}; rename a key so that dotted "
-                             "paths are unique")
-        seen.add(k)
-    return keys, leaves, spec
-
-
-def _key(tree: Tree, path: tuple) -> tuple[str, bool]:
-    """The key of the leaf at ``path``, and whether it is in a field that a state dict saved
-    before the field existed lacks (a NamedTuple's ``_later``: a field whose None means "not
-    known", such as ``TorchState.count``)."""
-    node, parts, later = tree, [], False
-    for k in path:
-        fields = getattr(node, "_fields", None) if isinstance(node, tuple) else None
-        parts.append(fields[k] if fields is not None else str(k))
-        later = later or (fields is not None and fields[k] in getattr(node, "_later", ()))
-        try:
-            node = node[k]
-        except (TypeError, KeyError, IndexError):
-            node = None
-    return (".".join(parts) if parts else "<root>"), later
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -247,36 +214,6 @@ def load_state_dict(sd: dict[str, Any] | None, like: Tree, *, rank0_only: bool =
             raise ValueError(_report(problems))
         values = [_build(k, sd[k], v) for k, v in zip(keys, likes)]
     return pytree.unflatten(spec, values)
-
-
-SCALE = "loss_scale."  # the keys of a TrainState's loss scale (see later_fields)
-
-
-def later_fields(like: Tree, like_sd: dict) -> dict[str, Any]:
-    """The keys that a state dict or checkpoint may lack, and their value then: a field a
-    NamedTuple names in ``_later`` (None: not known; ``TorchState.count``, read from the
-    state's own tensors); in a TrainState ``skipped`` (0: states saved before it existed
-    counted every step in the optimizer's) and ``loss_scale`` (like's: a run saved without
-    loss scaling resumed with it starts where the Policy starts)."""
-    if isinstance(like, tuple) and hasattr(like, "_donated_to"):
-        like = type(like)._make(like)
-    unknown = {k: None for k, later in (_key(like, path) for path in
-                                        pytree.flatten_with_path(like)[0]) if later}
-    fields = getattr(like, "_fields", ()) if isinstance(like, tuple) else ()
-    if "params" not in fields or "skipped" not in fields:
-        return unknown
-    return {"skipped": 0, **unknown,
-            **{k: v for k, v in like_sd.items() if k.startswith(SCALE)}}
-
-
-def with_later_fields(sd: dict, like: Tree, like_sd: dict) -> dict:
-    """``sd`` with the :func:`later_fields` it lacks filled in, and without a loss scale
-    ``like`` has none of (a run saved with loss scaling resumed without it)."""
-    later = later_fields(like, like_sd)
-    if not later:
-        return sd
-    return {**{k: v for k, v in later.items() if k not in sd},
-            **{k: v for k, v in sd.items() if k in like_sd or not k.startswith(SCALE)}}
 
 
 def _problems(sd: dict, keys: list[str], likes: list[Any], *, strict: bool,

@@ -23,7 +23,8 @@ from ..collectives import calls, failures
 from .. import pytree
 from ..layout import as_dtensor, layout_of
 from .._ranks import _rank, _world
-from ..state_dict import SCALE, Tree, _describe_value, _flat, _like, later_fields
+from ..state_dict import Tree, _describe_value, _like
+from ..state_keys import SCALE, _flat, later_fields
 from .atomic import _LEFTOVER, MARKER, _check_files, _marker, _resolve
 from .checks import agree, check_flag, check_path, digest, key_info
 from .dirs import latest
@@ -138,7 +139,7 @@ def _prepare_load(path: str, like_sd: dict, rank: int, world: int, verify: bool,
                   later: dict | None = None):
     """Resolve, read the marker, check keys and files; -> (dir, None) or (None, (type, msg)).
     A key of ``later`` the checkpoint lacks is dropped from ``like_sd`` (see
-    fs.state_dict.later_fields)."""
+    funshard.state_keys.later_fields)."""
     where = _resolve(path)
     if where is None:
         return None, ("CheckpointError", f"load: no checkpoint at {path!r}; "
