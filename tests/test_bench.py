@@ -407,6 +407,19 @@ def test_host_floor_references_agree_and_time():
         proc.stdout
 
 
+def test_torch_adam_benchmark_trains_both_alike():
+    """benchmarks.torch_adam: torch's AdamW gated on the device and run after the read train
+    the same parameters bit for bit, and it prints both rows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.torch_adam", "--rounds", "1", "--steps", "3",
+         "--blocks", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained the same parameters bit for bit: True" in proc.stdout, proc.stdout
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| update")]
+    assert rows == ["gated", "read"], proc.stdout
+
+
 def test_model_parallel_benchmark_trains_both_alike():
     """benchmarks.model_parallel: funshard's loop and its training step on a tensor-parallel
     mesh reach FSDP2 + TP's weights, and it prints the three rows."""

@@ -1,0 +1,76 @@
+"""torch's AdamW through ``fs.optim.from_torch`` inside ``fs.train_step``: gated on the device
+(its foreach step as funshard's own ops, no host read) against the same optimizer run after
+the step's read of its metrics (torch's own step), on the host-bound GPT (world 1, bfloat16
+compute, float32 masters), interleaved rounds; it checks that both trained the same
+parameters bit for bit. On a CPU the read waits for nothing, so the two times are alike;
+on a GPU the read is the step's one wait for the device.
+``python -m benchmarks.torch_adam [--rounds 8] [--steps 20] [--blocks 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import funshard as fs
+
+from .bench import host_config
+from .modes import Config, batches, build_model, meshes_for, mixed, shapes
+
+
+def _step(cfg: Config, base: torch.nn.Module, mesh, gated: bool):
+    params = fs.shard(dict(base.named_parameters()), mesh)
+    with torch.device("meta"):
+        template = shapes.model_of(cfg)
+    opt = fs.optim.from_torch(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, foreach=True)
+    step = fs.train_step(shapes.loss_of(cfg, template),
+                         opt if gated else opt._replace(traced=None),
+                         policy=fs.Policy(**mixed(cfg)))
+    box = [step.init(params)]
+
+    def run(batch) -> None:
+        box[0], _ = step(box[0], batch)
+
+    return run, box
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.torch_adam",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20, help="steps per mode per round")
+    ap.add_argument("--blocks", type=int, default=Config().blocks)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = host_config(Config(precision="bf16", blocks=args.blocks))
+    base, bs = build_model(cfg), batches(cfg, 0)
+    mesh = meshes_for(cfg, ("funshard_full",))["1d"]
+    runs = {"gated": _step(cfg, base, mesh, True), "read": _step(cfg, base, mesh, False)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rnd in range(args.rounds + 1):  # the first round warms up
+        for k, (run, _) in runs.items():
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                run(bs[i % len(bs)])
+            if rnd:
+                times[k].append((time.perf_counter() - t0) / args.steps * 1e3)
+    a, b = (fs.unshard(runs[k][1][0].params) for k in ("gated", "read"))
+    same = all(torch.equal(a[k], b[k]) for k in a)
+    print(f"gated and read trained the same parameters bit for bit: {same}")
+    if not same:
+        raise SystemExit("torch_adam: the gated step and torch's own disagree")
+    ratio = statistics.median(x / y for x, y in zip(times["gated"], times["read"]))
+    print(f"\nhost-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, median of "
+          f"{args.rounds} rounds of {args.steps} steps\n")
+    print("| update | ms | x read (paired) |\n|---|---:|---:|")
+    for k, t in times.items():
+        print(f"| {k} | {statistics.median(t):.2f} | "
+              f"{ratio if k == 'gated' else 1.0:.3f} |")
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+if __name__ == "__main__":
+    main()
