@@ -46,6 +46,8 @@ OPTIMIZERS = {
     # torch's foreach AdamW (its step as funshard's own ops, gated), a schedule and a clip
     "torch_adamw": lambda: with_policy(O.from_torch(
         torch.optim.AdamW, lr=O.warmup_cosine(1e-2, 2, 5), weight_decay=0.1), clip_norm=0.5),
+    # torch's own defaults (lr 1e-3, weight decay 0.01)
+    "torch_adamw_defaults": lambda: O.from_torch(torch.optim.AdamW),
     # torch's Adam with an L2 penalty and its own betas
     "torch_adam_l2": lambda: O.from_torch(torch.optim.Adam, lr=1e-2, weight_decay=0.1,
                                           betas=(0.8, 0.99), foreach=True),
@@ -189,7 +191,8 @@ def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, polic
     _law(pools, name, tuple(sorted(bads)) if policy != "plain" else (), policy)
 
 
-@pytest.mark.parametrize("name", ["torch_adamw", "torch_adam_l2", "torch_adamw_fused"])
+@pytest.mark.parametrize("name", ["torch_adamw", "torch_adamw_defaults", "torch_adam_l2",
+                                  "torch_adamw_fused"])
 @pytest.mark.parametrize("policy", ["refuse", "skip"])
 def test_torch_gated_as_read_on_two_ranks(pools, name, policy):
     """The law for torch's Adam and AdamW on 2 ranks, the second and fourth batches NaN:

@@ -185,7 +185,7 @@ def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
             state = _counted(state, idx, host)
         return unflatten(spec, p_leaves), state
 
-    form = _adam_form(cls, fixed) if cls in GATED else None
+    form = _adam_form(cls, fixed, lr) if cls in GATED else None
     if form is None and (cls not in GATED or kwargs.get("fused") is not True):
         return Optimizer(init, update)
     gated = functools.partial(gated_step, cls, fixed, lr, keys_for, form)
@@ -221,7 +221,8 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
     s_leaves = {k: flatten(v)[1] for k, v in state.state.items()}
     if form is not None:
         host = _host_counts(state, idx)
-        _foreach_adam(form, lr_at(lr, step), calls, g, p_leaves, s_leaves, host, counts)
+        now = lr_at(form[-1] if lr is None else lr, step)  # (None: torch's default)
+        _foreach_adam(form, now, calls, g, p_leaves, s_leaves, host, counts)
         return _counted(state, idx, host)
     for part, gate in calls:
         if not part:
@@ -240,13 +241,14 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
     return _counted(state, idx)
 
 
-def _adam_form(cls, fixed: dict) -> tuple | None:
-    """``(b1, b2, eps, weight decay, decoupled)`` of a torch Adam or AdamW whose step is the
-    foreach one funshard's gated ops repeat ([Note: torch's Adam gated on the device]): not
-    fused, foreach not refused, Python numbers for its hyperparameters, none of amsgrad,
-    maximize, capturable, differentiable; else None."""
+def _adam_form(cls, fixed: dict, lr) -> tuple | None:
+    """``(b1, b2, eps, weight decay, decoupled, lr)`` of a torch Adam or AdamW whose step is
+    the foreach one funshard's gated ops repeat ([Note: torch's Adam gated on the device]):
+    not fused, foreach not refused, Python numbers for its hyperparameters, none of amsgrad,
+    maximize, capturable, differentiable; else None. ``lr``: the caller's (a schedule, or
+    None: torch's default)."""
     dummy = torch.zeros(2, requires_grad=True)
-    d = cls([dummy], **{**fixed, "lr": fixed.get("lr", 0.0)}).defaults
+    d = cls([dummy], **({**fixed, "lr": 0.0} if callable(lr) else fixed)).defaults
     if (d.get("fused") or d.get("foreach") is False or d.get("amsgrad") or d.get("maximize")
             or d.get("capturable") or d.get("differentiable")):
         return None
@@ -254,7 +256,7 @@ def _adam_form(cls, fixed: dict) -> tuple | None:
     if not all(type(x) in (int, float) for x in (b1, b2, eps, wd, d["lr"])):
         return None
     decoupled = d.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW))
-    return float(b1), float(b2), float(eps), float(wd), bool(decoupled)
+    return float(b1), float(b2), float(eps), float(wd), bool(decoupled), float(d["lr"])
 
 
 def _foreach_adam(form: tuple, lr: float, calls: list, g: dict, p_leaves: list,
@@ -262,7 +264,7 @@ def _foreach_adam(form: tuple, lr: float, calls: list, g: dict, p_leaves: list,
     """torch's foreach Adam (AdamW) step as :func:`funshard.optim.gated.adam_eager`'s ops,
     one call per ``(leaves, gate)`` of ``calls``, its scalars from each leaf's count on the
     host (``host``), the step counts on the device advanced where the gate holds."""
-    b1, b2, eps, wd, decoupled = form
+    b1, b2, eps, wd, decoupled, _ = form
     t = Traced("adam", lr, (b1, b2, eps), wd, decoupled)
     steps = s_leaves.get("step")
     for part, gate in calls:
