@@ -219,11 +219,14 @@ def test_a_custom_function_in_a_group_module_on_device(pools, spec, raf):
         assert err < TOL, err
 
 
-# the optimizers whose update the device gates: fs.optim's AdamW, and torch's fused AdamW
-# through from_torch (its kernel takes the step's verdict as found_inf)
+# the optimizers whose update the device gates: fs.optim's AdamW, and torch's AdamW through
+# from_torch (fused: its kernel takes the step's verdict as found_inf; foreach: its step as
+# funshard's gated ops, its bias corrections from the counts the host keeps)
 GATED = {"adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
          "torch_fused": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
-                                                    weight_decay=0.1, fused=True)}
+                                                    weight_decay=0.1, fused=True),
+         "torch_foreach": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
+                                                      weight_decay=0.1)}
 
 
 def syncs_in_a_step(spec, policy, optimizer="adamw"):
@@ -254,7 +257,7 @@ def syncs_in_a_step(spec, policy, optimizer="adamw"):
                                     {"skip_nonfinite": True}], ids=["full", "clip", "skip"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_an_eager_step_never_waits_for_the_device(pools, spec, policy, optimizer):
-    """The eager step with adamw (fs.optim's, or torch's fused one through from_torch) makes
+    """The eager step with adamw (fs.optim's, or torch's through from_torch) makes
     no host wait for the GPU (its metrics and checks stay on the device, the update is
     gated there), with a clip, accumulation and the non-finite skip."""
     if DEVICE != "cuda":
