@@ -272,25 +272,37 @@ def main(argv=None) -> dict:
             "funshard_forced": funshard_forced,
             "fsdp2": build_mode("fsdp2_full", base, modes, meshes).step}
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times = interleaved(runs, bs, args.rounds, args.steps, sync)
+    print(f"\nhost-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, {args.device}, "
+          f"median of {args.rounds} rounds of {args.steps} steps\n")
+    return paired_table(times, "step", "floor")
+
+
+def interleaved(runs: dict, bs: list, rounds: int, steps: int, sync=lambda: None) -> dict:
+    """Each of ``runs`` (name -> a step of one batch) for ``steps`` batches in turn, ``rounds``
+    times after a first round that warms up: per name, its ms per step in each round."""
     times: dict[str, list[float]] = {m: [] for m in runs}
-    for rnd in range(args.rounds + 1):  # the first round warms up
+    for rnd in range(rounds + 1):
         for m, step in runs.items():
             sync()
             t0 = time.perf_counter()
-            for i in range(args.steps):
+            for i in range(steps):
                 step(bs[i % len(bs)])
             sync()
             if rnd:
-                times[m].append((time.perf_counter() - t0) / args.steps * 1e3)
+                times[m].append((time.perf_counter() - t0) / steps * 1e3)
+    return times
+
+
+def paired_table(times: dict, what: str, base: str) -> dict:
+    """Print each run's median ms per step and its time against ``base``'s, the median of
+    the rounds' ratios (paired); return the medians."""
     out = {m: statistics.median(t) for m, t in times.items()}
-    print(f"\nhost-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, {args.device}, "
-          f"median of {args.rounds} rounds of {args.steps} steps\n")
-    print("| step | ms | x floor (paired) |\n|---|---:|---:|")
+    print(f"| {what} | ms | x {base} (paired) |\n|---|---:|---:|")
     for m, t in times.items():
-        ratio = statistics.median(a / b for a, b in zip(t, times["floor"]))
+        ratio = statistics.median(a / b for a, b in zip(t, times[base]))
         print(f"| {m} | {out[m]:.2f} | {ratio:.3f} |")
     return out
-
 
 if __name__ == "__main__":
     main()

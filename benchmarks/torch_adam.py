@@ -10,14 +10,13 @@ on a GPU the read is the step's one wait for the device.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import funshard as fs
 
 from .bench import host_config
+from .host_floor import interleaved, paired_table
 from .modes import Config, batches, build_model, meshes_for, mixed, shapes
 
 
@@ -49,27 +48,15 @@ def main(argv=None) -> dict:
     base, bs = build_model(cfg), batches(cfg, 0)
     mesh = meshes_for(cfg, ("funshard_full",))["1d"]
     runs = {"gated": _step(cfg, base, mesh, True), "read": _step(cfg, base, mesh, False)}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for rnd in range(args.rounds + 1):  # the first round warms up
-        for k, (run, _) in runs.items():
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                run(bs[i % len(bs)])
-            if rnd:
-                times[k].append((time.perf_counter() - t0) / args.steps * 1e3)
+    times = interleaved({k: run for k, (run, _) in runs.items()}, bs, args.rounds, args.steps)
     a, b = (fs.unshard(runs[k][1][0].params) for k in ("gated", "read"))
     same = all(torch.equal(a[k], b[k]) for k in a)
     print(f"gated and read trained the same parameters bit for bit: {same}")
     if not same:
         raise SystemExit("torch_adam: the gated step and torch's own disagree")
-    ratio = statistics.median(x / y for x, y in zip(times["gated"], times["read"]))
     print(f"\nhost-bound GPT {cfg.blocks} x {cfg.dim}, world 1, bfloat16, median of "
           f"{args.rounds} rounds of {args.steps} steps\n")
-    print("| update | ms | x read (paired) |\n|---|---:|---:|")
-    for k, t in times.items():
-        print(f"| {k} | {statistics.median(t):.2f} | "
-              f"{ratio if k == 'gated' else 1.0:.3f} |")
-    return {k: statistics.median(t) for k, t in times.items()}
+    return paired_table(times, "update", "read")
 
 
 if __name__ == "__main__":

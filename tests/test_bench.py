@@ -396,28 +396,29 @@ def test_overlap_counts_collective_time_under_compute():
 def test_host_floor_references_agree_and_time():
     """benchmarks.host_floor: its two lean references (module hooks, stand-ins) train bit for
     bit alike, and it prints the six steps' table."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_floor", "--rounds", "1", "--steps", "2",
-         "--blocks", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    out, rows = _host_bench("host_floor", "step", "--steps", "2")
+    assert "hooks vs stand_ins after 3 steps: max difference 0.0" in out, out
+    assert rows == ["floor", "hooks", "stand_ins", "funshard", "funshard_forced", "fsdp2"], out
+
+
+def _host_bench(module: str, what: str, *args: str) -> tuple[str, list[str]]:
+    """``python -m benchmarks.<module>`` for one round on 2 blocks: its output, and the
+    names of its table's rows (the table headed ``| <what> |``)."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--rounds", "1",
+                           "--blocks", "2", *args], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "hooks vs stand_ins after 3 steps: max difference 0.0" in proc.stdout, proc.stdout
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| step")]
-    assert rows == ["floor", "hooks", "stand_ins", "funshard", "funshard_forced", "fsdp2"], \
-        proc.stdout
+            if line.startswith("| ") and not line.startswith(f"| {what} ")]
+    return proc.stdout, rows
 
 
 def test_torch_adam_benchmark_trains_both_alike():
     """benchmarks.torch_adam: torch's AdamW gated on the device and run after the read train
     the same parameters bit for bit, and it prints both rows."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.torch_adam", "--rounds", "1", "--steps", "3",
-         "--blocks", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "trained the same parameters bit for bit: True" in proc.stdout, proc.stdout
-    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| update")]
-    assert rows == ["gated", "read"], proc.stdout
+    out, rows = _host_bench("torch_adam", "update", "--steps", "3")
+    assert "trained the same parameters bit for bit: True" in out, out
+    assert rows == ["gated", "read"], out
 
 
 def test_model_parallel_benchmark_trains_both_alike():
