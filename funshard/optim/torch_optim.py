@@ -297,7 +297,7 @@ def _real(*ts: torch.Tensor) -> tuple:
 def _host_counts(state: TorchState, idx: list[int]) -> dict:
     """Each leaf's count of torch's steps on the host: ``state.count``'s, or, where it has
     none, ``stepped``'s, read (once: the state returned keeps them, :func:`_counted`)."""
-    known = _known(state)
+    known = _known(state)[0]
     out = {i: known[i] for i in idx if known[i] is not None}
     missing = [i for i in idx if i not in out]
     if missing:  # (a state saved before host counts were kept)
@@ -307,17 +307,18 @@ def _host_counts(state: TorchState, idx: list[int]) -> dict:
     return out
 
 
-def _known(state: TorchState) -> list:
-    """``state.count``'s leaves aligned with ``stepped``'s (None: not known)."""
-    n = len(flatten(state.stepped)[1])
+def _known(state: TorchState) -> tuple[list, Any]:
+    """``state.count``'s leaves aligned with ``stepped``'s (None: not known), and the
+    structure of ``stepped``."""
+    _, stepped, spec = flatten(state.stepped)
     known = flatten(state.count)[1] if state.count is not None else []
-    return list(known) if len(known) == n else [None] * n
+    return (list(known) if len(known) == len(stepped) else [None] * len(stepped)), spec
 
 
 def _counted(state: TorchState, idx: list[int], host: dict | None = None) -> TorchState:
     """``state`` with one step more counted on the host for the leaves at ``idx``, from
     their counts before it (``host``; else ``state.count``'s: one not known stays so)."""
-    counts, spec = _known(state), flatten(state.stepped)[2]
+    counts, spec = _known(state)
     for i in idx:
         before = host[i] if host is not None else counts[i]
         counts[i] = None if before is None else before + 1
