@@ -16,7 +16,7 @@ those three counts as it (:func:`~funshard.optim.traced.traced_of`). ``from_torc
 torch's Adam or AdamW runs eagerly, in both steps, gated on the device: fused, by its
 kernel's ``found_inf``; else as :func:`funshard.optim.gated.adam_eager` ([Note: torch's
 fused step gated on the device], [Note: torch's Adam gated on the device] in
-:mod:`funshard.optim.torch_optim`); any other optimizer (another chain, another
+:mod:`funshard.optim.torch_gated`); any other optimizer (another chain, another
 ``from_torch``) runs its update eagerly after the program and the host's read.
 
 [Note: the update's two candidates] Two ways to make the update one program were built
