@@ -413,10 +413,12 @@ def _host_bench(module: str, what: str, *args: str) -> tuple[str, list[str]]:
     return proc.stdout, rows
 
 
-def test_torch_adam_benchmark_trains_both_alike():
-    """benchmarks.torch_adam: torch's AdamW gated on the device and run after the read train
-    the same parameters bit for bit, and it prints both rows."""
-    out, rows = _host_bench("torch_adam", "update", "--steps", "3")
+@pytest.mark.parametrize("optimizer", ["adamw", "rmsprop"])
+def test_torch_adam_benchmark_trains_both_alike(optimizer):
+    """benchmarks.torch_adam: torch's AdamW gated on the device (RMSprop: its step selected
+    there) and run after the read train the same parameters bit for bit, and it prints both
+    rows."""
+    out, rows = _host_bench("torch_adam", "update", "--steps", "3", "--optimizer", optimizer)
     assert "trained the same parameters bit for bit: True" in out, out
     assert rows == ["gated", "read"], out
 

@@ -41,6 +41,9 @@ OPTIMIZERS = {
     "from_torch": lambda: fs.optim.from_torch(torch.optim.Adam, lr=1e-2),
     # torch's RMSprop: host code, run after the step's read of its verdict
     "from_torch_rmsprop": lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2),
+    # the same with select=True: torch's own step, kept or undone on the device
+    "from_torch_selected": lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2,
+                                                       select=True),
     # torch's fused kernel takes the step's verdict on the device (found_inf)
     "from_torch_fused": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2, fused=True),
 }
@@ -135,8 +138,8 @@ def _torch_adam_names_its_device() -> bool:
 @pytest.mark.parametrize("spec", [1, 2], ids=str)
 # (torch's RMSprop makes its step counter on the default device: a meta default fails inside
 # torch.optim, not funshard)
-@pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS
-                                       if o not in ("adamw", "from_torch_rmsprop")], ids=str)
+@pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o not in (
+    "adamw", "from_torch_rmsprop", "from_torch_selected")], ids=str)
 def test_optimizers_make_nothing_on_the_default_device(pools, spec, optimizer):
     if optimizer == "from_torch" and not _torch_adam_names_its_device():
         pytest.skip(f"torch {torch.__version__}'s own Adam makes its step counter on the "
@@ -346,11 +349,11 @@ def test_a_step_unread_reads_the_step_before_last(pools, spec, policy, compiled)
 def test_the_optimizers_read_nothing(pools, optimizer):
     """The optimizers gated on the device make no host read: ``adam``, ``adamw`` (its fused
     kernel too), ``sgd``, ``muon``, and torch's Adam and AdamW (foreach: funshard's own ops;
-    fused: its kernel's ``found_inf``); the rest (torch's RMSprop, a custom chain) run after
-    the step's one read of its metrics."""
+    fused: its kernel's ``found_inf``) and any other with ``select=True``; the rest (torch's
+    RMSprop, a custom chain) run after the step's one read of its metrics."""
     for rank, (seen, read, _) in enumerate(pools.run(2, host_reads, {}, optimizer)):
         if optimizer in ("adamw", "sgd", "fused_adamw", "muon", "from_torch",
-                         "from_torch_fused"):
+                         "from_torch_fused", "from_torch_selected"):
             assert seen == {} and sum(read.values()) == 1, (rank, seen, read)
         else:
             assert sum(seen.values()) == 1 and read == {}, (rank, seen, read)

@@ -51,6 +51,21 @@ OPTIMIZERS = {
     # torch's Adam with an L2 penalty and its own betas
     "torch_adam_l2": lambda: O.from_torch(torch.optim.Adam, lr=1e-2, weight_decay=0.1,
                                           betas=(0.8, 0.99), foreach=True),
+    # torch's steps selected on the device (select=True: torch's own step, then kept or
+    # undone)
+    "torch_rmsprop": lambda: with_policy(O.from_torch(
+        torch.optim.RMSprop, lr=O.warmup_cosine(1e-2, 2, 5), momentum=0.5, centered=True,
+        select=True), clip_norm=0.5),
+    "torch_sgd_nesterov": lambda: O.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9,
+                                               nesterov=True, weight_decay=0.01, select=True),
+    # dampening: a first step's buffer is the gradient, later ones take (1 - dampening) of it
+    "torch_sgd_dampening": lambda: O.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9,
+                                                dampening=0.5, select=True),
+    "torch_adam_amsgrad": lambda: O.from_torch(torch.optim.Adam, lr=1e-2, amsgrad=True,
+                                               foreach=False, select=True),
+    "torch_adagrad": lambda: O.from_torch(torch.optim.Adagrad, lr=0.1, lr_decay=0.01,
+                                          select=True),
+    "torch_rprop": lambda: O.from_torch(torch.optim.Rprop, lr=1e-2, select=True),
     "sgd_chain": lambda: O.chain(O.clip_by_global_norm(0.5),
                                  O.chain(O.add_decayed_weights(0.01), O.trace(0.9, nesterov=True),
                                          O.scale_by_learning_rate(0.1))),
@@ -61,9 +76,9 @@ def _counts(name: str, opt_state) -> dict:
     if name.startswith("torch"):  # the updates torch took, its own step count, the host's
         assert all(n is None or int(local(n).item()) == c for n, c in zip(
             opt_state.stepped.values(), opt_state.count.values())), opt_state
+        steps = opt_state.state.get("step", opt_state.stepped)  # (SGD keeps none)
         return {k: None if n is None else (int(local(n).item()), float(local(s).item()), c)
-                for (k, n), s, c in zip(opt_state.stepped.items(),
-                                        opt_state.state["step"].values(),
+                for (k, n), s, c in zip(opt_state.stepped.items(), steps.values(),
                                         opt_state.count.values())}
     return dict((opt_state.inner_states["other"] if name.startswith("muon")
                  else opt_state).count)
@@ -114,6 +129,10 @@ def through(spec, name: str, gated: bool, policy: str, bads: tuple, steps: int =
                 reads[k.split(":")[0]] = reads.get(k.split(":")[0], 0) + n
         state, i = new, i + 1
     full = {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    if name.startswith("torch"):  # and torch's state
+        full.update({f"{key}:{k}": v.detach().clone() for key, tree in
+                     state.opt_state.state.items() for k, v in fs.unshard(tree).items()
+                     if v is not None})
     return refusals, (state.step, state.skipped), _counts(name, state.opt_state), reads, full
 
 
@@ -148,7 +167,8 @@ def compiled_or_not(spec, name: str, compile, bads: tuple, read: bool, steps: in
 
 
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
-@pytest.mark.parametrize("name", ["muon", "muon_schedules", "torch_adamw", "torch_adamw_fused"])
+@pytest.mark.parametrize("name", ["muon", "muon_schedules", "torch_adamw", "torch_adamw_fused",
+                                  "torch_rmsprop"])
 def test_the_compiled_step_gates_as_the_eager_step(pools, name, read):
     """The compiled step runs Muon's matrices (torch's fused AdamW: all of it) eagerly,
     gated on the device as the eager step does (the rest in its update program), and reads
@@ -191,8 +211,7 @@ def test_gated_on_the_device_trains_as_read_on_the_host(pools, name, bads, polic
     _law(pools, name, tuple(sorted(bads)) if policy != "plain" else (), policy)
 
 
-@pytest.mark.parametrize("name", ["torch_adamw", "torch_adamw_defaults", "torch_adam_l2",
-                                  "torch_adamw_fused"])
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n.startswith("torch")])
 @pytest.mark.parametrize("policy", ["refuse", "skip"])
 def test_torch_gated_as_read_on_two_ranks(pools, name, policy):
     """The law for torch's Adam and AdamW on 2 ranks, the second and fourth batches NaN:
@@ -230,3 +249,36 @@ def test_gated_skips_as_read_on_the_host_on_any_mesh(pools, spec, name):
             pools.run(spec, through, name, False, "skip", (1,))):
         assert gc == rc == (5, 1) and gk == rk and greads == {}, (gc, rc, gk, greads)
         _same(name, gp, rp)
+
+
+SELECTED = ["torch_rmsprop", "torch_sgd_dampening", "torch_adam_amsgrad", "torch_rprop"]
+
+
+def through_in_chunks(spec, name: str, policy: str, bads: tuple, steps: int = 5):
+    """:func:`through`, gated, each leaf stepped by a call of torch's of its own (the copies
+    a selected step keeps limited to one byte)."""
+    from funshard.optim import torch_gated
+
+    before, torch_gated.SELECT_BYTES = torch_gated.SELECT_BYTES, 1
+    try:
+        return through(spec, name, True, policy, bads, steps)
+    finally:
+        torch_gated.SELECT_BYTES = before
+
+
+@pytest.mark.parametrize("name", SELECTED)
+@pytest.mark.parametrize("policy", ["refuse", "skip"])
+def test_a_selected_step_skips_a_first_step_and_steps_in_parts(pools, name, policy):
+    """torch's step selected on the device ([Note: any torch step selected on the device]):
+    the first batch NaN (torch made the state of that step, which the verdict discards: the
+    next step makes it afresh), stepped one leaf per call of torch's or all in one, it trains
+    as the same optimizer after a read, bit for bit, and so does its state (after the
+    skipped first step alone: torch's initial state, what the read step holds)."""
+    _law(pools, name, (0, 3), policy)
+    for steps in (5, 1):
+        for (gr, gc, gk, greads, gp), (rr, rc, rk, _, rp) in zip(
+                pools.run(2, through_in_chunks, name, policy, (0, 3), steps),
+                pools.run(2, through, name, False, policy, (0, 3), steps)):
+            assert (gr, gc, gk, greads) == (rr, rc, rk, {}), (gr, rr, gc, rc, gk, rk, greads)
+            assert set(gp) == set(rp), (set(gp), set(rp))
+            _same(name, gp, rp)

@@ -221,12 +221,15 @@ def test_a_custom_function_in_a_group_module_on_device(pools, spec, raf):
 
 # the optimizers whose update the device gates: fs.optim's AdamW, and torch's AdamW through
 # from_torch (fused: its kernel takes the step's verdict as found_inf; foreach: its step as
-# funshard's gated ops, its bias corrections from the counts the host keeps)
+# funshard's gated ops, its bias corrections from the counts the host keeps; RMSprop with
+# select=True: torch's own step, selected on the device)
 GATED = {"adamw": lambda: fs.optim.adamw(1e-2, weight_decay=0.1),
          "torch_fused": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
                                                     weight_decay=0.1, fused=True),
          "torch_foreach": lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
-                                                      weight_decay=0.1)}
+                                                      weight_decay=0.1),
+         "torch_rmsprop": lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2,
+                                                      momentum=0.5, select=True)}
 
 
 def syncs_in_a_step(spec, policy, optimizer="adamw"):

@@ -6,6 +6,7 @@ Run here op by op, Adam's numbers are the chain's bit for bit (the compiler fuse
 ops; the compiled step's tests compare it with the eager step); SGD's last add rounds once
 more (a multiply, then an add, where the chain's ``add_(alpha=)`` fuses them)."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -104,6 +105,15 @@ def test_only_the_usual_optimizers_have_a_held_form():
     assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3, amsgrad=True).traced is None
     assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3, foreach=False).traced is None
     assert fs.optim.from_torch(torch.optim.Adam, lr=1e-3).traced.kind == "torch"
+    # with select=True, any but NAdam and ASGD (scalars of their own on the host: refused)
+    for cls, kw in [(torch.optim.Adam, {"amsgrad": True}), (torch.optim.RMSprop, {}),
+                    (torch.optim.SGD, {}), (torch.optim.SGD, {"momentum": 0.9, "fused": True}),
+                    (torch.optim.Adagrad, {}), (torch.optim.Rprop, {})]:
+        assert fs.optim.from_torch(cls, lr=1e-3, select=True, **kw).traced.kind == "torch"
+    for cls, key in [(torch.optim.NAdam, "mu_product"), (torch.optim.ASGD, "eta")]:
+        with pytest.raises(ValueError, match=f"select=True cannot select torch.optim."
+                                             f"{cls.__name__}'s step.*{key}"):
+            fs.optim.from_torch(cls, lr=1e-3, select=True)
     twice = with_policy(with_policy(fs.optim.adamw(1e-3), clip_norm=1.0), clip_norm=2.0)
     assert twice.traced is None  # two clips in front: the chain's own update
     once = with_policy(fs.optim.adamw(1e-3), clip_norm=1.0, skip_nonfinite=True)

@@ -31,6 +31,10 @@ OPTIMIZERS = {
     # torch's RMSprop: its step is host code, run after the step's read of its verdict
     "torch_rmsprop": (lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2),
                       lambda ps: torch.optim.RMSprop(ps, lr=1e-2)),
+    # the same with select=True: torch's own step, kept or undone on the device
+    "torch_rmsprop_selected": (lambda: fs.optim.from_torch(torch.optim.RMSprop, lr=1e-2,
+                                                           select=True),
+                               lambda ps: torch.optim.RMSprop(ps, lr=1e-2)),
     # torch's fused kernel, skipping on the device a leaf no rank reached (found_inf)
     "torch_adamw_fused": (lambda: fs.optim.from_torch(torch.optim.AdamW, lr=1e-2,
                                                       weight_decay=0.1, fused=True),
@@ -163,12 +167,13 @@ def test_unreached_leaves_under_other_policies(pools, policy):
         assert max(r["errs"]) < tol, (rank, r)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "torch_adamw", "torch_rmsprop"])
+@pytest.mark.parametrize("optimizer", ["sgd", "torch_adamw", "torch_rmsprop",
+                                       "torch_rmsprop_selected"])
 def test_the_leaves_reached_cost_no_second_all_reduce_where_the_device_gates(pools,
                                                                              optimizer):
-    """With sgd or torch's AdamW (updates gated on the device), the step's one metrics
-    all-reduce carries a flag per leaf, whichever leaves the ranks reached. With an optimizer
-    that runs after the host read (torch's RMSprop): the one all-reduce where every leaf was
+    """With sgd, torch's AdamW or its RMSprop with ``select`` (updates gated on the device),
+    the step's one metrics all-reduce carries a flag per leaf, whichever leaves the ranks
+    reached. With an optimizer that runs after the host read (torch's RMSprop): the one all-reduce where every leaf was
     reached on every rank (step 2), one more, of a flag per leaf, where some rank left one
     (steps 0, 1, 3)."""
     for rank, r in enumerate(pools.run(2, unreached_parity, "one_group", optimizer, {})):
@@ -218,7 +223,8 @@ def reads_with_a_leaf_in_doubt(spec, optimizer: str, read: bool, compile=False):
 
 @pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_dampening", "muon",
-                                       "torch_adamw", "torch_adamw_fused"])
+                                       "torch_adamw", "torch_adamw_fused",
+                                       "torch_rmsprop_selected"])
 @pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
 def test_a_leaf_some_rank_left_unreached_costs_no_host_read(pools, spec, optimizer, read):
     """Where a rank's loss left a leaf unreached, whether another rank reached it is a flag

@@ -17,8 +17,7 @@ so the update does not read which leaves torch has stepped either. A leaf this r
 did not reach gets its own call, under its own flag ([Note: a leaf in doubt] in
 :mod:`funshard.step.update_program`). ``torch.optim.SGD(fused=True)`` is not gated so: where its
 kernel skips a first step, the momentum buffers torch made for that step stay unwritten and
-the next step reads them as momentum (torch 2.13), so it reads the verdict first, as every
-other optimizer does.
+the next step reads them as momentum (torch 2.13); it is selected, as below.
 
 [Note: torch's Adam gated on the device] torch's foreach Adam and AdamW (``foreach`` not
 False, not fused; no amsgrad, maximize, capturable or differentiable) take no verdict: their
@@ -28,13 +27,37 @@ those of funshard's own ``adam`` (``lerp``, ``mul``, ``addcmul``, ``sqrt``, ``di
 (``(lr / (1 - b1 ** n)) * -1``, ``(1 - b2 ** n) ** 0.5``), so inside ``fs.train_step`` such an
 optimizer runs as :func:`funshard.optim.gated.adam_eager` ([Note: an update gated on the
 device]): the same ops, gated on the step's verdict, their scalars from the counts the host
-keeps in :class:`~funshard.optim.torch_optim.TorchState` (``count``), advanced as each update is issued and corrected
-where a verdict reads the step skipped (as ``fs.optim.adam``'s counts are). The counts on
+keeps in :class:`~funshard.optim.torch_optim.TorchState` (``count``), advanced as each update
+is issued and corrected where a verdict reads the step skipped (as ``fs.optim.adam``'s counts
+are). The counts on
 the device (``stepped`` and torch's ``step``) advance where the verdict holds, so the state
 is the one torch would hold, and torch's own step can take it up at any step (the reading
 path, ``fs.optim.apply``). A state saved before host counts were kept reads them once from
 ``stepped``. Its numbers are torch's bit for bit (a test compares them); on CPU torch's
 default for CPU tensors (``foreach=None``) is its per-tensor loop, whose ops are the same.
+
+[Note: any torch step selected on the device] torch's other optimizers (SGD, RMSprop,
+Adagrad, Adamax, RAdam, Rprop, Adadelta; Adam and AdamW with ``amsgrad``, ``maximize``,
+``capturable`` or ``foreach=False``) take no verdict: their step is host code over in-place
+ops. So by default the step reads its verdict before their update. With
+``from_torch(..., select=True)`` their step runs as torch wrote it, whatever the verdict, after
+a copy of what it writes in place (the params' shards, the state of the leaves it has
+stepped); then each of those tensors takes torch's result where the verdict holds and its
+copy where it does not (``torch.where``: exactly one or the other), and a leaf torch had not
+stepped takes torch's initial state likewise. torch keeps its step count on the CPU for a GPU
+parameter (unless capturable): it is made from the host's count (``count``, as for Adam
+above), so nothing is read from the device, and the counts on the device advance where the
+verdict holds. Its numbers are the same optimizer's after a read, bit for bit (a test
+compares them). The price is memory traffic on the device instead of a host wait: a copy and
+a select of each tensor written (about five passes over it, where the update itself makes
+two or three), two ops per tensor, and the copies as transient memory, at most
+:data:`SELECT_BYTES` at a time (more leaves step in several calls of torch's, whose
+elementwise ops give each element the same numbers). That is why it is not the default: a
+read costs the device little where the host is far ahead of it (a large model) or far
+behind (a small one, whose device has long finished), and the copies cost every step;
+``python -m benchmarks.torch_adam --optimizer rmsprop`` times the two. NAdam and ASGD are
+refused: NAdam's running product of momentum is a scalar on the CPU that is not the count,
+and ASGD's averaging scalars are read on the host by its own step.
 """
 
 from __future__ import annotations
@@ -51,6 +74,8 @@ from .traced import Traced, _row as row_of, clip_factor
 
 if TYPE_CHECKING:
     from .torch_optim import TorchState
+
+SELECT = "select"  # a step selected on the device ([Note: any torch step selected on the device])
 
 
 def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
@@ -80,6 +105,9 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
     calls = [([i for i in idx if i not in doubt], ok)] + [
         ([i], ok & reach[i] if ok is not None else reach[i]) for i in doubt]
     s_leaves = {k: flatten(v)[1] for k, v in state.state.items()}
+    if form == SELECT:
+        return selected_step(cls, fixed, lr, step, keys, state, calls, g, p_leaves, s_leaves,
+                             counts, idx)
     if form is not None:
         host = host_counts(state, idx)
         now = lr_at(form[-1] if lr is None else lr, step)  # (None: torch's default)
@@ -100,6 +128,75 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
         for v in views:
             v.grad = None
     return counted(state, idx)
+
+
+# the copies a selected step keeps of one call's tensors before torch writes into them (the
+# step's transient memory): more leaves than fit are stepped in several calls of torch's
+SELECT_BYTES = 256 << 20
+
+
+def selected_step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState,
+                  calls: list, g: dict, p_leaves: list, s_leaves: dict, counts: list,
+                  idx: list[int]) -> TorchState:
+    """torch's own ``step()`` over each ``(leaves, gate)`` of ``calls``, what it wrote kept
+    where the gate holds and undone where it does not; the step counts from the host."""
+    host = host_counts(state, idx)
+    for part, gate in calls:
+        for chunk in _chunks(part, p_leaves, keys):
+            _select(cls, fixed, lr, step, keys, chunk, gate, g, p_leaves, s_leaves, host)
+            with torch.no_grad():
+                mine = [local(counts[i]) for i in chunk]
+                _compat.foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
+                if "step" in keys and keys["step"][1].type == "cpu":  # (torch's, from ours)
+                    theirs = [local(s_leaves["step"][i]) for i in chunk]
+                    _compat.foreach_add_(theirs, 1 if gate is None else
+                                         gate.to(theirs[0].dtype))
+    return counted(state, idx, host)
+
+
+def _select(cls, fixed: dict, lr, step: int, keys: dict, chunk: list, gate, g: dict,
+            p_leaves: list, s_leaves: dict, host: dict) -> None:
+    """One ``cls`` step over the leaves at ``chunk``, kept where ``gate`` holds (None: kept)."""
+    opt, views = on_views(cls, fixed, lr, step, p_leaves, {i: g[i] for i in chunk})
+    # torch writes into these in place: the params, and the state of the leaves it stepped
+    inplace = [k for k, (elem, dev, _) in keys.items() if elem or dev.type != "cpu"]
+    ours = {i: {k: local(s_leaves[k][i]) for k in inplace} for i in chunk}
+    for v, i in zip(views, chunk):
+        if host[i] > 0:  # a leaf torch has not stepped gets torch's own initial state
+            opt.state[v] = dict(ours[i])
+            if "step" in keys and "step" not in inplace:  # on the CPU: from the host's count
+                opt.state[v]["step"] = torch.tensor(float(host[i]), dtype=keys["step"][2],
+                                                     device="cpu")
+    written = [local(p_leaves[i]) for i in chunk] + [
+        ours[i][k] for i in chunk if host[i] > 0 for k in inplace]
+    with torch.no_grad():
+        before = [t.clone() for t in written] if gate is not None else []
+    opt.step()
+    with torch.no_grad():
+        for t, old in zip(written, before):
+            torch.where(gate, t, old, out=t)
+        for v, i in zip(views, chunk):
+            v.grad = None
+            if host[i] == 0:  # torch made its state: ours takes it where the gate holds
+                for k in inplace:
+                    new = opt.state[v][k]
+                    ours[i][k].copy_(new if gate is None else torch.where(gate, new, ours[i][k]))
+
+
+def _chunks(part: list, p_leaves: list, keys: dict) -> list:
+    """``part`` in runs of leaves whose copies (the param and its elementwise state) fit in
+    :data:`SELECT_BYTES`, each at least one leaf."""
+    per = 1 + sum(elem for elem, _, _ in keys.values())
+    out, size = [], 0
+    for i in part:
+        p = local(p_leaves[i])
+        n = p.numel() * p.element_size() * per
+        if not out or size + n > SELECT_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
 
 
 def adam_form(cls, fixed: dict, lr) -> tuple | None:

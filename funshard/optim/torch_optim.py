@@ -13,8 +13,8 @@ as ``step``), so ``fs.state_dict`` / ``fs.checkpoint`` save it and load it resha
     >>> opt = from_torch(torch.optim.Adam, lr=1e-3, foreach=False)   # per leaf: lean memory
     >>> state = opt.init(params)       # TorchState(state={"step": .., "exp_avg": .., ..}, ..)
 
-Inside ``fs.train_step`` torch's Adam and AdamW update with no host read
-(:mod:`funshard.optim.torch_gated`).
+Inside ``fs.train_step`` torch's Adam and AdamW update with no host read, and the others
+with ``select=True`` (:mod:`funshard.optim.torch_gated`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from .. import _compat
 from .apply import deltas_of
 from .base import Optimizer, Tree, counts_tree, flatten, local, materialize, unflatten, zeros_like
-from .torch_gated import adam_form, counted, counts_of, gated_step, host_counts, on_views
+from .torch_gated import SELECT, adam_form, counted, counts_of, gated_step, host_counts, on_views
 from .traced import Traced
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop",
@@ -101,21 +101,54 @@ def _probe(cls, kwargs: dict, like: torch.Tensor) -> dict[str, tuple]:
     return keys
 
 
-def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
+def _gate(cls, fixed: dict, lr, fused: bool, select: bool) -> tuple[bool, Any]:
+    """Whether the step gates ``cls`` on the device, and how (:func:`gated_step`'s
+    ``form``): torch's fused Adam by its kernel's found_inf (None), its foreach Adam as
+    funshard's ops (:func:`adam_form`), any other selected where asked (``SELECT``)."""
+    if cls in GATED and fused:
+        return True, None
+    form = adam_form(cls, fixed, lr) if cls in GATED else None
+    if form is None and select:
+        _selectable(cls, fixed)
+        form = SELECT
+    return form is not None, form
+
+
+def _selectable(cls, fixed: dict) -> None:
+    """Refuse, naming why, a ``cls`` whose step cannot be selected on the device ([Note: any
+    torch step selected on the device] in :mod:`funshard.optim.torch_gated`): a
+    per-parameter scalar other than its step count (NAdam's running product, ASGD's
+    averaging scalars)."""
+    keys = _probe(cls, fixed, torch.zeros(1, device="cpu"))
+    other = [k for k, (elem, _, _) in keys.items() if not elem and k != "step"]
+    if other:
+        raise ValueError(
+            f"from_torch: select=True cannot select torch.optim.{cls.__name__}'s step on the "
+            f"device: its state {other} holds per-parameter scalars that are not its step "
+            "count, which its step keeps on the host. Leave select off (the step reads its "
+            "verdict before the update).")
+
+
+def from_torch(cls, *, elementwise: bool = False, select: bool = False, **kwargs) -> Optimizer:
     """Run ``cls(params, **kwargs)`` on each rank's local shards.
 
     Args:
         cls: an elementwise ``torch.optim.Optimizer`` class (Adam, AdamW, SGD, RMSprop, ...).
             Adafactor, Muon, LBFGS and SparseAdam are refused with the reason.
         elementwise: vouch that a class not in :data:`ELEMENTWISE` is elementwise.
+        select: inside ``fs.train_step``, run torch's step whatever the step's verdict and
+            keep its result, or the old values, on the device: no host read, for a copy and
+            a select of each tensor the step writes (NAdam and ASGD are refused). Without it
+            (and for Adam and AdamW, which need none) the step reads its verdict first.
         kwargs: the optimizer's arguments; ``lr`` may be a schedule ``step -> lr``.
     Returns:
         An :class:`Optimizer` (its ``update`` donates params and state), state
         :class:`TorchState`. ``foreach=False`` or ``fused=True`` keep the transients to one
         leaf's size. Adam and AdamW update inside ``fs.train_step`` with no host read
         ([Note: torch's fused step gated on the device], [Note: torch's Adam gated on the
-        device] in :mod:`funshard.optim.torch_gated`), but with ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` or
-        ``foreach=False``.
+        device] in :mod:`funshard.optim.torch_gated`), but with ``amsgrad``, ``maximize``,
+        ``capturable``, ``differentiable`` or ``foreach=False``; so do the others with
+        ``select`` ([Note: any torch step selected on the device]).
     """
     _check_class(cls, elementwise)
     lr = kwargs.get("lr")
@@ -154,8 +187,8 @@ def from_torch(cls, *, elementwise: bool = False, **kwargs) -> Optimizer:
             state = counted(state, idx, host)
         return unflatten(spec, p_leaves), state
 
-    form = adam_form(cls, fixed, lr) if cls in GATED else None
-    if form is None and (cls not in GATED or kwargs.get("fused") is not True):
+    gates, form = _gate(cls, fixed, lr, kwargs.get("fused") is True, select)
+    if not gates:
         return Optimizer(init, update)
     gated = functools.partial(gated_step, cls, fixed, lr, keys_for, form)
     return Optimizer(init, update, traced=Traced("torch", lr, (gated,), 0.0, False))
