@@ -129,6 +129,25 @@ def _selectable(cls, fixed: dict) -> None:
             "verdict before the update).")
 
 
+def _init(keys_for, params: Tree) -> TorchState:
+    """The state torch makes before its first step: zeros (``keys_for(p)``: its keys)."""
+    _, leaves, spec = flatten(params)
+    live = [p for p in leaves if p is not None and p.requires_grad]
+    keys = keys_for(live[0]) if live else {}
+    state = {}
+    for k, (elem, dev, dtype) in keys.items():
+        state[k] = unflatten(spec, [None if p is None or not p.requires_grad else
+                                    zeros_like(p) if elem else
+                                    _replicated(torch.zeros((), dtype=dtype,
+                                                            device=local(p).device), p)
+                                    for p in leaves])
+    stepped = unflatten(spec, [None if p is None or not p.requires_grad else
+                               _replicated(torch.zeros((), dtype=torch.int64,
+                                                       device=local(p).device), p)
+                               for p in leaves])
+    return TorchState(state, stepped, counts_tree(params))
+
+
 def from_torch(cls, *, elementwise: bool = False, select: bool = False, **kwargs) -> Optimizer:
     """Run ``cls(params, **kwargs)`` on each rank's local shards.
 
@@ -160,22 +179,7 @@ def from_torch(cls, *, elementwise: bool = False, select: bool = False, **kwargs
             probed["keys"] = _probe(cls, fixed, local(p))
         return probed["keys"]
 
-    def init(params: Tree) -> TorchState:
-        _, leaves, spec = flatten(params)
-        live = [p for p in leaves if p is not None and p.requires_grad]
-        keys = keys_for(live[0]) if live else {}
-        state = {}
-        for k, (elem, dev, dtype) in keys.items():
-            state[k] = unflatten(spec, [None if p is None or not p.requires_grad else
-                                        zeros_like(p) if elem else
-                                        _replicated(torch.zeros((), dtype=dtype,
-                                                                device=local(p).device), p)
-                                        for p in leaves])
-        stepped = unflatten(spec, [None if p is None or not p.requires_grad else
-                                   _replicated(torch.zeros((), dtype=torch.int64,
-                                                           device=local(p).device), p)
-                                   for p in leaves])
-        return TorchState(state, stepped, counts_tree(params))
+    init = functools.partial(_init, keys_for)
 
     def update(grads: Tree, state: TorchState, params: Tree, *, step: int):
         spec, _, p_leaves, deltas = deltas_of(grads, params, step)
