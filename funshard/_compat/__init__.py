@@ -394,3 +394,4 @@ def require_testing(what: str) -> None:
     """Raise, naming the torch version, if what fs.testing needs is missing."""
     if TESTING_MISSING:
         raise ImportError(_lacking(what, TESTING_MISSING, "a torch funshard supports"))
+
