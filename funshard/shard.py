@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives, pytree
+from . import _compat, collectives, pytree
 from .layout import (Layout, Model, as_dtensor, as_model, check_float_dtype, compute_dtype,
                      describe, from_model, local_slice, model_of, model_part, placements_for,
                      spread_of, transforms_active)
@@ -230,7 +230,7 @@ def unshard(
     # differentiable: grads come back as DTensors. Inside a torch.func transform (over other
     # inputs: describe refused transformed shards) to_local's Function is not transformable,
     # and the shards are constants there
-    shards = ([d._local_tensor.detach() for d in leaves] if transforms_active()
+    shards = ([_compat.local_tensor(d).detach() for d in leaves] if transforms_active()
               else [d.to_local() for d in leaves])
     check_float_dtype(param_dtype, "unshard: param_dtype")
     check_float_dtype(reduce_dtype, "unshard: reduce_dtype")

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import collectives, pytree
+from . import _compat, collectives, pytree
 from .layout import as_dtensor, as_model, layout_of, local_slice, model_box, model_slice
 from ._ranks import _broadcast_obj, _rank, _world
 from ._scatter import _broadcast_full, _scatter_group
@@ -112,7 +112,7 @@ def _local_shard(key: str, v: Any) -> Any:
     mesh = v.device_mesh
     at = model_box(v.shape, lay.model)[1] if lay.model else (0,) * v.ndim
     offset = (at[0] + lay.start, *at[1:]) if v.ndim else ()
-    return LocalShard(v._local_tensor.detach(), tuple(v.shape), offset,
+    return LocalShard(_compat.local_tensor(v).detach(), tuple(v.shape), offset,
                       tuple(zip(mesh.mesh_dim_names, mesh.shape)),
                       tuple(repr(p) for p in v.placements))
 
@@ -143,13 +143,13 @@ def _full(keys, leaves, *, rank0_only: bool, cpu_offload: bool) -> dict[str, Any
         got: dict[int, torch.Tensor] = {}
         if sharded:
             mesh = leaves[sharded[0]].device_mesh
-            shards = [leaves[i]._local_tensor.detach() for i in sharded]
+            shards = [_compat.local_tensor(leaves[i]).detach() for i in sharded]
             full = collectives.all_gather([lays[i] for i in sharded], shards, mesh).wait()
             got = dict(zip(sharded, full))  # one collective
             del full, shards
         for i in lays:  # the model's parts, gathered over its own dimensions (every rank)
             if lays[i].model is not None:
-                part = got.get(i, leaves[i]._local_tensor.detach())
+                part = got.get(i, _compat.local_tensor(leaves[i]).detach())
                 got[i] = as_model(part, lays[i]).full_tensor()
         if not keep:
             continue
@@ -158,7 +158,7 @@ def _full(keys, leaves, *, rank0_only: bool, cpu_offload: bool) -> dict[str, Any
             if i in got:
                 t = _compact(got.pop(i))
             elif isinstance(v, DTensor):
-                t = v._local_tensor.detach().clone()
+                t = _compat.local_tensor(v).detach().clone()
             elif isinstance(v, torch.Tensor):
                 t = v.detach().clone()
             else:
@@ -300,7 +300,7 @@ def _build(key: str, got: Any, want: Any) -> Any:
     elif isinstance(got, DTensor):
         if tuple(got.placements) != tuple(want.placements):
             got = got.redistribute(want.device_mesh, want.placements)
-        local = got._local_tensor.detach().to(want.device, copy=True)
+        local = _compat.local_tensor(got).detach().to(want.device, copy=True)
     elif isinstance(want, DTensor):
         lay = layout_of(key, want, model=True)
         local = local_slice(model_slice(got.detach(), lay), lay).to(want.device, copy=True)

@@ -97,3 +97,55 @@ def test_a_missing_symbol_refuses_the_step_by_name(monkeypatch, make):
     msg = str(e.value)
     assert f"{make} needs torch internals this torch {torch.__version__} lacks" in msg, msg
     assert "torch._C._gone" in msg, msg
+
+
+# a NamedTuple's own API, public though it is spelled with an underscore
+_NAMEDTUPLE = {"_replace", "_make", "_fields", "_asdict", "_field_defaults"}
+
+
+def _private_attributes(root, skip=("_compat",)) -> dict[str, list[str]]:
+    """Per file under ``root`` (outside ``skip``), the private attributes it reads
+    (``x._name``) that no code under ``root`` defines (a def, a class, an assignment, an
+    argument, an import): another library's, torch's."""
+    import ast
+
+    trees = {p: ast.parse(p.read_text()) for p in root.rglob("*.py")}
+    defined = set(_NAMEDTUPLE)
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                defined.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                defined.add(n.attr)
+            elif isinstance(n, ast.arg):
+                defined.add(n.arg)
+            elif isinstance(n, ast.alias):
+                defined.add(n.asname or n.name.split(".")[-1])
+    out = {}
+    for p, tree in trees.items():
+        if any(s in p.relative_to(root).parts for s in skip):
+            continue
+        found = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                        and n.attr.startswith("_") and not n.attr.startswith("__")
+                        and n.attr not in defined})
+        if found:
+            out[str(p.relative_to(root))] = found
+    return out
+
+
+def test_private_attributes_of_torch_are_read_only_in_the_compat_module():
+    """A private attribute of a torch object (``DTensor._local_tensor``,
+    ``Module._parameters``, ...) is read only through funshard._compat, which checks each
+    at import."""
+    import pathlib
+
+    assert _private_attributes(pathlib.Path(fs.__file__).parent) == {}
+
+
+def test_the_private_attribute_scan_sees_a_torch_attribute(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "class A:\n    def __init__(self):\n        self._mine = 1\n\n"
+        "def f(t, m, a):\n    return t._local_tensor, m._parameters, a._mine, a._replace()\n")
+    assert _private_attributes(tmp_path) == {"m.py": ["_local_tensor", "_parameters"]}

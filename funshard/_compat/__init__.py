@@ -47,6 +47,9 @@ import logging
 
 import torch
 
+from .attrs import (dtensor_spec, local_tensor, own_buffers, own_modules,  # noqa: F401
+                    own_parameters, storage_id, tensor_hooks, version, view_base)
+
 MISSING: list[str] = []
 
 
@@ -242,7 +245,7 @@ def _eager(path: str, *names: str):
 
 _import("torch.utils._python_dispatch")
 _import("torch._dynamo.eval_frame")
-_eager("torch.Tensor", "_use_count")
+tensor_refs = _eager("torch.Tensor", "_use_count")  # (a tensor object's references)
 _storage_use_count = _eager("torch._C", "_storage_Use_Count")
 make_wrapper_subclass = _eager("torch.Tensor", "_make_wrapper_subclass")
 DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
@@ -394,4 +397,3 @@ def require_testing(what: str) -> None:
     """Raise, naming the torch version, if what fs.testing needs is missing."""
     if TESTING_MISSING:
         raise ImportError(_lacking(what, TESTING_MISSING, "a torch funshard supports"))
-

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _world
 from ..state_dict import Tree, load_state_dict, state_dict
 from .atomic import _fsync_dir
@@ -143,7 +144,7 @@ def export_module(module: nn.Module, params: Tree, *, buffers: Tree = None,
             value = (b.to_local() if isinstance(b, DTensor) else b).detach()
             if own[name].is_meta:
                 owner, _, leaf = name.rpartition(".")
-                module.get_submodule(owner)._buffers[leaf] = value.to("cpu", copy=True)
+                _compat.own_buffers(module.get_submodule(owner))[leaf] = value.to("cpu", copy=True)
             else:
                 own[name].copy_(value)
     return module

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.tensor import DTensor
 
 from ..collectives import calls, failures
-from .. import pytree
+from .. import _compat, pytree
 from ..layout import as_dtensor, layout_of
 from .._ranks import _rank, _world
 from ..state_dict import Tree, _describe_value, _like
@@ -94,7 +94,7 @@ def load(path: str | os.PathLike | None, like: Tree, *, verify: bool = True) -> 
             continue
         t = target[k]
         if isinstance(v, torch.Tensor):
-            local = t._local_tensor if isinstance(t, DTensor) else t
+            local = _compat.local_tensor(t) if isinstance(t, DTensor) else t
             t = _like(local, v)
         values.append(t)
     return pytree.unflatten(spec, values)
@@ -204,7 +204,7 @@ def _key_problems(saved: dict, like_sd: dict) -> list[str]:
 
 def _empty_like(v: Any) -> Any:
     if isinstance(v, DTensor):
-        local = torch.empty_like(v._local_tensor, requires_grad=False)
+        local = torch.empty_like(_compat.local_tensor(v), requires_grad=False)
         return as_dtensor(local, v)
     if isinstance(v, torch.Tensor):
         return torch.empty_like(v, requires_grad=False)

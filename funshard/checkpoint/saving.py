@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor
 
+from .. import _compat
 from ..collectives import calls, failures
 from .._ranks import _all_gather_obj, _broadcast_obj, _rank, _timeout, _world
 from ..state_dict import Tree, state_dict
@@ -176,8 +177,8 @@ def _stage(v: Any, devices: set) -> Any:
     if isinstance(v, DTensor):
         # the same spec around the host copy: from_local would move it back to the mesh's
         # device (a second full copy of the state on the GPU), as torch's own staging avoids
-        return DTensor(_host_copy(v._local_tensor.detach(), devices), v._spec,
-                       requires_grad=False)
+        return DTensor(_host_copy(_compat.local_tensor(v).detach(), devices),
+                       _compat.dtensor_spec(v), requires_grad=False)
     if isinstance(v, torch.Tensor):
         return _host_copy(v.detach(), devices)
     return v

@@ -1,7 +1,7 @@
 """Bucketed all-gather: one collective on ``"shard"`` for a list of sharded leaves.
 
     >>> layouts = [layout_of("w", w_dt)]                 # w_dt: DTensor (7, 3), Shard(0)
-    >>> (full,) = all_gather(layouts, [w_dt._local_tensor], mesh).wait()   # (7, 3)
+    >>> (full,) = all_gather(layouts, [w_dt.to_local()], mesh).wait()   # (7, 3)
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def _grad_local(path: tuple, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``g``'s local tensor in ``p``'s dtype: a DTensor like ``p``, or a plain tensor of
     ``p``'s global or local shape."""
     p_dt, g_dt = isinstance(p, DTensor), isinstance(g, DTensor)
-    pl = p._local_tensor if p_dt else p
-    gl = g._local_tensor if g_dt else g
+    pl = _compat.local_tensor(p) if p_dt else p
+    gl = _compat.local_tensor(g) if g_dt else g
     ok = g.shape == p.shape or (p_dt and not g_dt and g.shape == pl.shape)
     if not ok:
         raise ValueError(f"grad shape mismatch at {path_str(path)}: param {tuple(p.shape)} vs grad "

@@ -254,12 +254,12 @@ def path_str(path: tuple) -> str:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return _compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def locals_of(ts: list) -> list:
     """:func:`local` of each (one comprehension: several hundred per update)."""
-    return [t._local_tensor if isinstance(t, DTensor) else t for t in ts]
+    return [_compat.local_tensor(t) if isinstance(t, DTensor) else t for t in ts]
 
 
 def zeros_like(p: Any) -> Any:

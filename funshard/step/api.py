@@ -216,7 +216,7 @@ def _apply(loss_fn, optimizer, policy: Policy, groups_for, donations: Donations,
              if no_read else state.loss_scale)
     direct = direct_.usable(params)  # see [Note: the direct path]
     shards = (params.leaves.of(params, leaves) if direct else
-              [d._local_tensor.detach().requires_grad_(t)
+              [_compat.local_tensor(d).detach().requires_grad_(t)
                for d, t in zip(leaves, params.trainable)])
     bleaves, work, bufs = (buffers_.locals_of(state.buffers) if state.buffers is not None
                            else ([], [], None))
@@ -307,9 +307,9 @@ def train_step(loss_fn: Callable, optimizer, *, policy: Policy = Policy(),
                 buffers = buffers_.prepare(buffers, groups.mesh, where="train_step.init")
                 buffers_.check_dtypes(groups, buffers, where="train_step.init")
             bpaths, bleaves, _ = pytree.flatten_with_path(buffers)
-            agree.check(groups, policy, [d._local_tensor for d in leaves],
+            agree.check(groups, policy, [_compat.local_tensor(d) for d in leaves],
                         where="train_step.init",
-                        buffers=[(pytree.fqn(p), b._local_tensor)
+                        buffers=[(pytree.fqn(p), _compat.local_tensor(b))
                                  for p, b in zip(bpaths, bleaves)])
             return donations.remember(TrainState(params, optimizer.init(params), 0, buffers,
                                                  0, scaling.initial(policy)), leaves)

@@ -85,7 +85,7 @@ def locals_of(buffers: Any) -> tuple[list[DTensor], list[torch.Tensor], Any]:
     """The state's buffer DTensors, working copies of their local tensors, and the tree of
     those copies that ``loss_fn`` receives."""
     leaves, spec = pytree.flatten(buffers)
-    work = [d._local_tensor.clone() for d in leaves]
+    work = [_compat.local_tensor(d).clone() for d in leaves]
     return leaves, work, pytree.unflatten(spec, work)
 
 
@@ -121,7 +121,7 @@ def write_back(leaves: list[DTensor], work: list[torch.Tensor],
     if not leaves:
         return
     if keep is None:
-        _compat.foreach_copy_([d._local_tensor for d in leaves], work)
+        _compat.foreach_copy_([_compat.local_tensor(d) for d in leaves], work)
         return
     for d, w in zip(leaves, work):
-        d._local_tensor.copy_(torch.where(keep, w, d._local_tensor))
+        _compat.local_tensor(d).copy_(torch.where(keep, w, _compat.local_tensor(d)))

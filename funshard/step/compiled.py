@@ -115,8 +115,8 @@ def _inputs(program, leaves: list) -> list:
     """The program's shard inputs: the trainable ones fresh leaves that require grad
     (dynamo on torch 2.11 cannot make a graph's own tensor require grad)."""
     if not program.train:
-        return [d._local_tensor for d in leaves]
-    return [d._local_tensor.detach().requires_grad_(t)
+        return [_compat.local_tensor(d) for d in leaves]
+    return [_compat.local_tensor(d).detach().requires_grad_(t)
             for d, t in zip(leaves, program.params.trainable)]
 
 

@@ -46,7 +46,7 @@ import operator
 
 import torch
 
-from .. import collectives
+from .. import _compat, collectives
 from .lazy import in_place_error
 
 
@@ -69,25 +69,25 @@ class Leaves:
         self.versions: list[int] = []  # the leaves' version counters when the step began
 
     def of(self, params, dtensors: list) -> list[torch.Tensor]:
-        shards = [d._local_tensor for d in dtensors]
+        shards = [_compat.local_tensor(d) for d in dtensors]
         if (len(shards) != len(self.shards) or not all(map(operator.is_, shards, self.shards))
                 or not all(map(_intact, self.leaves, shards, params.trainable))):
             self.shards = shards
             self.leaves = [s.detach().requires_grad_(t)
                            for s, t in zip(shards, params.trainable)]
-        self.versions = [leaf._version for leaf in self.leaves]
+        self.versions = [_compat.version(leaf) for leaf in self.leaves]
         return self.leaves
 
     def check_unwritten(self, params) -> None:
         """No op wrote into a parameter during the step (forward or backward)."""
         for i, (leaf, v) in enumerate(zip(self.leaves, self.versions)):
-            if leaf._version != v:
+            if _compat.version(leaf) != v:
                 raise in_place_error(params.layouts[i].path, "an in-place op", landed=True)
 
 
 def _intact(leaf: torch.Tensor, shard: torch.Tensor, trainable: bool) -> bool:
     """As made: no gradient, no hooks, the same requires_grad, still on the shard's memory
     (about 0.25 us)."""
-    return (leaf.grad is None and leaf.requires_grad is trainable and not leaf._backward_hooks
+    return (leaf.grad is None and leaf.requires_grad is trainable and not _compat.tensor_hooks(leaf)
             and not getattr(leaf, "_post_accumulate_grad_hooks", None)
             and leaf.data_ptr() == shard.data_ptr())

@@ -106,7 +106,7 @@ def eval_step(fn: Callable, *, policy: Policy = Policy(), compile: Any = False) 
 def _eager(fn: Callable, policy: Policy, groups: ParamGroups, leaves: list, bufs: Any,
            args: tuple, kwargs: dict) -> Any:
     """``fn`` on stand-ins that gather their groups as it reaches them."""
-    shards = [d._local_tensor.detach() for d in leaves]
+    shards = [_compat.local_tensor(d).detach() for d in leaves]
     run = Run(groups, shards, policy, {}, accumulating=False, sync=False,
               record=groups.schedule is None,  # the first call learns the order
               streams=False)  # no gradients: nothing is streamed to a bucket

@@ -187,7 +187,7 @@ class Group:
                 b = self.bases[k] = torch.empty(lay.padded_shape, dtype=p.dtypes[i],
                                                 device=self.shards[i].device)
                 self.fulls[k] = b if b.shape[0] == lay.rows else b[: lay.rows]
-                self.written[k] = b._version  # (the gather into it keeps it: below)
+                self.written[k] = _compat.version(b)  # (the gather into it keeps it: below)
             b.untyped_storage().resize_(b.numel() * b.element_size())
             # autograd saved these tensors; refilling them is not a mutation it must see:
             # the gather writes through ``.data``, which shares the storage, not the version
@@ -223,7 +223,7 @@ class Group:
                       self.shards[i].detach().requires_grad_(self.shards[i].requires_grad)
                       for i in self.idx]
         self.bases = list(self.fulls)
-        self.written = [f._version for f in self.fulls]
+        self.written = [_compat.version(f) for f in self.fulls]
         self.move(S.ALIASED)
 
     def gather(self) -> tuple[torch.Tensor, ...]:
@@ -243,12 +243,12 @@ class Group:
         fulls: list = [None] * len(self.idx)
         for k, t in zip(self.sharded, got):
             fulls[k] = t
-            bases[k] = t._base if t._base is not None else t
+            bases[k] = _compat.view_base(t) if _compat.view_base(t) is not None else t
         for k in self.replicated:
             i = self.idx[k]
             fulls[k] = bases[k] = self.shards[i].detach().to(self.params.dtypes[i], copy=True)
         self.bases, self.fulls = bases, fulls
-        self.written = [f._version for f in fulls]
+        self.written = [_compat.version(f) for f in fulls]
 
     def _hold(self, leaves: list[int]) -> None:
         """``leaves`` are gathered: count their bytes, map their storages for the hooks."""
@@ -284,7 +284,7 @@ class Group:
         keeps the versions (:meth:`_refill`)."""
         for k, v in enumerate(self.written or ()):
             full = self.fulls[k]
-            if full is not None and full._version != v:
+            if full is not None and _compat.version(full) != v:
                 raise in_place_error(self.params.layouts[self.idx[k]].path, "an in-place op",
                                      landed=self.aliased)
 
@@ -341,7 +341,8 @@ class Group:
             if full is None:
                 continue
             known = 1 + (base is not full) + self.saved[k] - self.bare[k]
-            if full._use_count() > 1 or (base is not None and _compat.storage_refs(base) > known):
+            if _compat.tensor_refs(full) > 1 or (base is not None
+                                                 and _compat.storage_refs(base) > known):
                 held.add(k)
         return held
 

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 from .. import _compat
+from .._compat import own_buffers, own_modules, own_parameters
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
@@ -40,7 +41,7 @@ class Plan:
         mods = {}
         for prefix, m in module.named_modules(remove_duplicate=False):
             mods[id(m)] = m
-            for where in (m._parameters, m._buffers):
+            for where in (own_parameters(m), own_buffers(m)):
                 for key, t in where.items():
                     if t is None:
                         continue
@@ -58,8 +59,8 @@ class Plan:
                 break
             self.writes += [(places[t][0], places[t][1], n, t == n) for t in tied]
         # modules by weak reference: the plan is the value of a weak mapping keyed by module
-        self.shape = [(weakref.ref(m), tuple(weakref.ref(c) for c in m._modules.values()),
-                       len(m._parameters), len(m._buffers)) for m in mods.values()]
+        self.shape = [(weakref.ref(m), tuple(map(weakref.ref, own_modules(m).values())),
+                       len(own_parameters(m)), len(own_buffers(m))) for m in mods.values()]
         self.held = [(where, key, t, full) for full, (where, key, t) in places.items()]
 
     def valid(self, same_tensors: bool = True) -> bool:
@@ -67,9 +68,9 @@ class Plan:
         the plan was made from."""
         for ref, children, n_params, n_buffers in self.shape:
             m = ref()
-            if (m is None or len(m._parameters) != n_params or len(m._buffers) != n_buffers
-                    or len(m._modules) != len(children)
-                    or any(a is not b() for a, b in zip(m._modules.values(), children))):
+            if (m is None or len(own_parameters(m)) != n_params
+                    or len(own_buffers(m)) != n_buffers or len(own_modules(m)) != len(children)
+                    or any(a is not b() for a, b in zip(own_modules(m).values(), children))):
                 return False
         return not same_tensors or all(where.get(key) is t for where, key, t, _ in self.held)
 

@@ -61,7 +61,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where it is a view (of a bucket, a loaded checkpoint's buffer) the same
     storage without the view's base: dynamo guards a view's base, which would make the
     program's trace depend on where each step's tensors came from."""
-    return t if t._base is None else t.detach()
+    return t if _compat.view_base(t) is None else t.detach()
 
 
 def without_cuda_graphs(options: dict) -> dict:

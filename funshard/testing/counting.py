@@ -59,13 +59,13 @@ def classify(func, args) -> tuple[str, int, int] | None:
     all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
     its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
     """
-    if func.namespace == "funshard" and func._opname == "collective":
+    if func.namespace == "funshard" and func.overloadpacket.__name__ == "collective":
         return args[1], args[2], args[3]
-    if func.namespace != "c10d" or not args or func._opname == "barrier":
+    if func.namespace != "c10d" or not args or func.overloadpacket.__name__ == "barrier":
         return None
-    if is_direct_message(func._opname, args):
+    if is_direct_message(func.overloadpacket.__name__, args):
         return None
-    kind = _KINDS.get(func._opname, func._opname)
+    kind = _KINDS.get(func.overloadpacket.__name__, func.overloadpacket.__name__)
     counted = _nbytes(args[0])
     logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
     return kind, logical, counted

@@ -49,8 +49,9 @@ class LiveMemory(_compat.TorchDispatchMode):
             except (RuntimeError, NotImplementedError):
                 continue
             # views and in-place results alias an input: not a new allocation
-            if st._cdata not in self._live and st._cdata not in inputs:
-                self._live[st._cdata] = weakref.ref(st)  # the storage lives as its tensors do
+            key = _compat.storage_id(st)
+            if key not in self._live and key not in inputs:
+                self._live[key] = weakref.ref(st)  # the storage lives as its tensors do
         total = 0
         for key, ref in list(self._live.items()):
             st = ref()
@@ -64,7 +65,7 @@ class LiveMemory(_compat.TorchDispatchMode):
 
 def _storage_key(t):
     try:
-        return t.untyped_storage()._cdata
+        return _compat.storage_id(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -90,7 +91,7 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
     for o in objs:
         if isinstance(o, LazyParam):
             continue
-        t = o._local_tensor if isinstance(o, DTensor) else o
+        t = _compat.local_tensor(o) if isinstance(o, DTensor) else o
         if t.device.type != device.type:
             continue
         try:
@@ -99,7 +100,7 @@ def _storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
             continue
         # a compiler's fake tensor says it is on ``device``; its storage is on "meta"
         if st.device.type == device.type and type(st.nbytes()) is int:
-            out[st._cdata] = st
+            out[_compat.storage_id(st)] = st
     return out
 
 
