@@ -149,3 +149,19 @@ def test_the_private_attribute_scan_sees_a_torch_attribute(tmp_path):
         "class A:\n    def __init__(self):\n        self._mine = 1\n\n"
         "def f(t, m, a):\n    return t._local_tensor, m._parameters, a._mine, a._replace()\n")
     assert _private_attributes(tmp_path) == {"m.py": ["_local_tensor", "_parameters"]}
+
+
+def test_a_missing_private_attribute_fails_the_import_by_name(monkeypatch):
+    """Where torch lacks a private attribute funshard reads, importing funshard fails, naming
+    it and the torch version (here: a storage without ``_cdata``)."""
+    import importlib
+
+    from funshard._compat import attrs
+
+    assert attrs.MISSING == []
+    monkeypatch.setattr(torch, "UntypedStorage", lambda n: object())
+    with pytest.raises(ImportError, match=f"this torch {torch.__version__} lacks: "
+                                          r"UntypedStorage\._cdata\. Use a torch"):
+        importlib.reload(attrs)
+    monkeypatch.undo()
+    assert importlib.reload(attrs).MISSING == []

@@ -1,4 +1,6 @@
-"""Private attributes of torch objects, read only through the names below.
+"""Private attributes of torch objects, read only through the names below, each checked at
+import: importing funshard fails, naming the torch version and what is missing, without
+them.
 
 - a DTensor's ``_local_tensor`` and ``_spec``: its shard with no autograd node
   (``to_local()`` makes one where gradients are on) and its layout, which the checkpoint's
@@ -19,6 +21,27 @@ from __future__ import annotations
 
 import operator
 
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _missing() -> list[str]:
+    out = [f"DTensor.{a}" for a in ("_local_tensor", "_spec")
+           if a not in getattr(DTensor, "__slots__", ()) and not hasattr(DTensor, a)]
+    out += [f"Tensor.{a}" for a in ("_base", "_version", "_backward_hooks")
+            if not hasattr(torch.Tensor, a)]
+    module = torch.nn.Module()
+    out += [f"Module.{a}" for a in ("_parameters", "_buffers", "_modules")
+            if not isinstance(getattr(module, a, None), dict)]
+    out += [] if hasattr(torch.UntypedStorage(0), "_cdata") else ["UntypedStorage._cdata"]
+    return out
+
+
+MISSING = _missing()
+if MISSING:
+    raise ImportError(f"funshard reads private attributes of torch objects which this torch "
+                      f"{torch.__version__} lacks: {', '.join(MISSING)}. Use a torch funshard "
+                      "supports (2.11 or newer).")
 
 local_tensor = operator.attrgetter("_local_tensor")  # a DTensor's shard, no autograd node
 dtensor_spec = operator.attrgetter("_spec")  # a DTensor's layout
