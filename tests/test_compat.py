@@ -155,13 +155,14 @@ def test_a_missing_private_attribute_fails_the_import_by_name(monkeypatch):
     """Where torch lacks a private attribute funshard reads, importing funshard fails, naming
     it and the torch version (here: a storage without ``_cdata``)."""
     import importlib
+    import re
 
     from funshard._compat import attrs
 
     assert attrs.MISSING == []
     monkeypatch.setattr(torch, "UntypedStorage", lambda n: object())
-    with pytest.raises(ImportError, match=f"this torch {torch.__version__} lacks: "
-                                          r"UntypedStorage\._cdata\. Use a torch"):
+    with pytest.raises(ImportError, match=re.escape(
+            f"this torch {torch.__version__} lacks: UntypedStorage._cdata. Use a torch")):
         importlib.reload(attrs)
     monkeypatch.undo()
     assert importlib.reload(attrs).MISSING == []
