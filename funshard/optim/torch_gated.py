@@ -62,7 +62,7 @@ and ASGD's averaging scalars are read on the host by its own step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -72,14 +72,14 @@ from .base import Tree, flatten, local, lr_at, materialize, unflatten
 from .gated import _Gate as Gate, adam_eager
 from .traced import Traced, _row as row_of, clip_factor
 
-if TYPE_CHECKING:
-    from .torch_optim import TorchState
+# a funshard.optim.torch_optim.TorchState (that module imports this one: not imported back)
+State = Any
 
 SELECT = "select"  # a step selected on the device ([Note: any torch step selected on the device])
 
 
 def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
-               state: TorchState, params: Tree, *, step: int, norm, dev, reach) -> TorchState:
+               state: State, params: Tree, *, step: int, norm, dev, reach) -> State:
     """A fused ``cls`` step over the leaves with a gradient (``grads``, aligned with the
     params' leaves), or, where ``form`` (:func:`adam_form`) is given, torch's foreach Adam
     step as funshard's own ops, skipped on the device where the step's verdict ``dev``
@@ -135,9 +135,9 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
 SELECT_BYTES = 256 << 20
 
 
-def selected_step(cls, fixed: dict, lr, step: int, keys: dict, state: TorchState,
+def selected_step(cls, fixed: dict, lr, step: int, keys: dict, state: State,
                   calls: list, g: dict, p_leaves: list, s_leaves: dict, counts: list,
-                  idx: list[int]) -> TorchState:
+                  idx: list[int]) -> State:
     """torch's own ``step()`` over each ``(leaves, gate)`` of ``calls``, what it wrote kept
     where the gate holds and undone where it does not; the step counts from the host."""
     host = host_counts(state, idx)
@@ -252,7 +252,7 @@ def _real(*ts: torch.Tensor) -> tuple:
     return tuple(torch.view_as_real(x) if x.is_complex() else x for x in ts)
 
 
-def host_counts(state: TorchState, idx: list[int]) -> dict:
+def host_counts(state: State, idx: list[int]) -> dict:
     """Each leaf's count of torch's steps on the host: ``state.count``'s, or, where it has
     none, ``stepped``'s, read (once: the state returned keeps them, :func:`counted`)."""
     known = _known(state)[0]
@@ -265,7 +265,7 @@ def host_counts(state: TorchState, idx: list[int]) -> dict:
     return out
 
 
-def _known(state: TorchState) -> tuple[list, Any]:
+def _known(state: State) -> tuple[list, Any]:
     """``state.count``'s leaves aligned with ``stepped``'s (None: not known), and the
     structure of ``stepped``."""
     _, stepped, spec = flatten(state.stepped)
@@ -273,7 +273,7 @@ def _known(state: TorchState) -> tuple[list, Any]:
     return (list(known) if len(known) == len(stepped) else [None] * len(stepped)), spec
 
 
-def counted(state: TorchState, idx: list[int], host: dict | None = None) -> TorchState:
+def counted(state: State, idx: list[int], host: dict | None = None) -> State:
     """``state`` with one step more counted on the host for the leaves at ``idx``, from
     their counts before it (``host``; else ``state.count``'s: one not known stays so)."""
     counts, spec = _known(state)
@@ -283,7 +283,7 @@ def counted(state: TorchState, idx: list[int], host: dict | None = None) -> Torc
     return state._replace(count=unflatten(spec, counts))
 
 
-def counts_of(state: TorchState, idx: list[int]) -> list:
+def counts_of(state: State, idx: list[int]) -> list:
     """Each leaf's count of torch's steps; refused where a leaf with a gradient has none."""
     counts = flatten(state.stepped)[1]
     if any(counts[i] is None for i in idx):
