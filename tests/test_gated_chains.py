@@ -66,6 +66,7 @@ OPTIMIZERS = {
     "torch_adagrad": lambda: O.from_torch(torch.optim.Adagrad, lr=0.1, lr_decay=0.01,
                                           select=True),
     "torch_rprop": lambda: O.from_torch(torch.optim.Rprop, lr=1e-2, select=True),
+    "torch_adamax": lambda: O.from_torch(torch.optim.Adamax, lr=1e-2, select=True),
     "sgd_chain": lambda: O.chain(O.clip_by_global_norm(0.5),
                                  O.chain(O.add_decayed_weights(0.01), O.trace(0.9, nesterov=True),
                                          O.scale_by_learning_rate(0.1))),
@@ -251,7 +252,8 @@ def test_gated_skips_as_read_on_the_host_on_any_mesh(pools, spec, name):
         _same(name, gp, rp)
 
 
-SELECTED = ["torch_rmsprop", "torch_sgd_dampening", "torch_adam_amsgrad", "torch_rprop"]
+SELECTED = ["torch_rmsprop", "torch_sgd_dampening", "torch_adam_amsgrad", "torch_rprop",
+            "torch_adamax"]
 
 
 def through_in_chunks(spec, name: str, policy: str, bads: tuple, steps: int = 5):

@@ -177,9 +177,9 @@ def _select(cls, fixed: dict, lr, step: int, keys: dict, chunk: list, gate, g: d
             torch.where(gate, t, old, out=t)
         for v, i in zip(views, chunk):
             v.grad = None
-            if host[i] == 0:  # torch made its state: ours takes it where the gate holds
-                for k in inplace:
-                    new = opt.state[v][k]
+            for k in inplace:  # state torch made anew (a leaf's first step): taken likewise
+                new = opt.state[v][k]
+                if new is not ours[i][k]:
                     ours[i][k].copy_(new if gate is None else torch.where(gate, new, ours[i][k]))
 
 
