@@ -17,7 +17,8 @@ so the update does not read which leaves torch has stepped either. A leaf this r
 did not reach gets its own call, under its own flag ([Note: a leaf in doubt] in
 :mod:`funshard.step.update_program`). ``torch.optim.SGD(fused=True)`` is not gated so: where its
 kernel skips a first step, the momentum buffers torch made for that step stay unwritten and
-the next step reads them as momentum (torch 2.13); it is selected, as below.
+the next step reads them as momentum (torch 2.13): it reads the verdict first, or, with
+``select=True``, is selected, as below.
 
 [Note: torch's Adam gated on the device] torch's foreach Adam and AdamW (``foreach`` not
 False, not fused; no amsgrad, maximize, capturable or differentiable) take no verdict: their

@@ -158,7 +158,8 @@ def from_torch(cls, *, elementwise: bool = False, select: bool = False, **kwargs
         select: inside ``fs.train_step``, run torch's step whatever the step's verdict and
             keep its result, or the old values, on the device: no host read, for a copy and
             a select of each tensor the step writes (NAdam and ASGD are refused). Without it
-            (and for Adam and AdamW, which need none) the step reads its verdict first.
+            the step reads its verdict first (Adam and AdamW need it only with the options
+            below).
         kwargs: the optimizer's arguments; ``lr`` may be a schedule ``step -> lr``.
     Returns:
         An :class:`Optimizer` (its ``update`` donates params and state), state
