@@ -5,7 +5,8 @@ torch beyond its public API is looked up here, once, when funshard is imported: 
 below is either found or recorded as missing, and :func:`require` raises, naming the torch
 version and every missing symbol, when a compiled step is made on a torch without them.
 The eager step's own private torch is listed below (:data:`EAGER_MISSING`,
-:func:`require_eager`); importing funshard never fails for either.
+:func:`require_eager`); importing funshard never fails for either. It does without torch's
+multi-tensor kernels, or the private attributes of torch objects :mod:`.attrs` reads.
 
 - ``torch.distributed._functional_collectives``: the traceable collectives (an all-gather
   whose autograd is a reduce-scatter, an all-reduce, the wait), what the program issues;
@@ -27,7 +28,6 @@ The eager step's own private torch is listed below (:data:`EAGER_MISSING`,
   ``backend``, ``mode`` and ``options``: the compiled step's backend passes dynamo's graph
   on to them after giving the model's own checkpoint regions a rule
   (:mod:`funshard.step.backend`).
-
 - ``torch._inductor.config``'s ``post_grad_custom_post_pass`` and
   ``reorder_for_peak_memory``, and ``torch._inductor.custom_graph_pass.CustomGraphPass``:
   the pass that orders the program's collectives to overlap its compute, run by inductor
