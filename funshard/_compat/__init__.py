@@ -269,7 +269,7 @@ def storage_refs(t: torch.Tensor) -> int:
     """References to ``t``'s storage (tensors on it, and storage objects): what holds its
     bytes."""
     st = t.untyped_storage()
-    return _storage_use_count(st._cdata) - 1  # not ``st``, made for the call
+    return _storage_use_count(storage_id(st)) - 1  # not ``st``, made for the call
 
 
 def require_eager(what: str) -> None:

@@ -123,12 +123,10 @@ def gated_step(cls, fixed: dict, lr, keys_for, form, t: Traced, grads: list,
         opt, views = on_views(cls, fixed, lr, step, p_leaves, {i: g[i] for i in part})
         for v, i in zip(views, part):  # torch's own initial state is zeros: so is ours
             opt.state[v] = {k: local(s_leaves[k][i]) for k in keys}
-        mine = [local(counts[i]) for i in part]
         if gate is not None:
             opt.found_inf = (~gate).to(torch.float32)
         opt.step()
-        with torch.no_grad():
-            _compat.foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
+        _advance([local(counts[i]) for i in part], gate)
         for v in views:
             v.grad = None
     return counted(state, idx)
@@ -148,13 +146,9 @@ def selected_step(cls, fixed: dict, lr, step: int, keys: dict, state: State,
     for part, gate in calls:
         for chunk in _chunks(part, p_leaves, keys):
             _select(cls, fixed, lr, step, keys, chunk, gate, g, p_leaves, s_leaves, host)
-            with torch.no_grad():
-                mine = [local(counts[i]) for i in chunk]
-                _compat.foreach_add_(mine, 1 if gate is None else gate.to(mine[0].dtype))
-                if "step" in keys and keys["step"][1].type == "cpu":  # (torch's, from ours)
-                    theirs = [local(s_leaves["step"][i]) for i in chunk]
-                    _compat.foreach_add_(theirs, 1 if gate is None else
-                                         gate.to(theirs[0].dtype))
+            _advance([local(counts[i]) for i in chunk], gate)
+            if "step" in keys and keys["step"][1].type == "cpu":  # (torch's, from ours)
+                _advance([local(s_leaves["step"][i]) for i in chunk], gate)
     return counted(state, idx, host)
 
 
@@ -184,7 +178,21 @@ def _select(cls, fixed: dict, lr, step: int, keys: dict, chunk: list, gate, g: d
             for k in inplace:  # state torch made anew (a leaf's first step): taken likewise
                 new = opt.state[v][k]
                 if new is not ours[i][k]:
-                    ours[i][k].copy_(new if gate is None else torch.where(gate, new, ours[i][k]))
+                    _kept(ours[i][k], new, gate)
+
+
+def _advance(counters: list, gate) -> None:
+    """Each of ``counters`` one more where ``gate`` holds (None: everywhere)."""
+    with torch.no_grad():
+        _compat.foreach_add_(counters, 1 if gate is None else gate.to(counters[0].dtype))
+
+
+def _kept(t: torch.Tensor, new: torch.Tensor, gate) -> None:
+    """``t`` takes ``new`` where ``gate`` holds (None: everywhere), keeps its value else."""
+    if gate is None:
+        t.copy_(new)
+    else:
+        torch.where(gate, new, t, out=t)
 
 
 def _chunks(part: list, p_leaves: list, keys: dict) -> list:
@@ -209,7 +217,7 @@ def adam_form(cls, fixed: dict, lr) -> tuple | None:
     not fused, foreach not refused, Python numbers for its hyperparameters, none of amsgrad,
     maximize, capturable, differentiable; else None. ``lr``: the caller's (a schedule, or
     None: torch's default)."""
-    dummy = torch.zeros(2, requires_grad=True)
+    dummy = torch.zeros(2, requires_grad=True, device="cpu")
     d = cls([dummy], **({**fixed, "lr": 0.0} if callable(lr) else fixed)).defaults
     if (d.get("fused") or d.get("foreach") is False or d.get("amsgrad") or d.get("maximize")
             or d.get("capturable") or d.get("differentiable")):
@@ -243,12 +251,9 @@ def foreach_adam(form: tuple, lr: float, calls: list, g: dict, p_leaves: list,
         scal = [row_of(t, (n, decoupled and wd != 0.0), 1.0, lr) for n in rows]
         oks = ok.float()
         adam_eager(t.hyper, static, groups, scal, Gate(None, oks, ok, ~ok))
-        with torch.no_grad():
-            mine = [local(counts[i]) for i in part]
-            _compat.foreach_add_(mine, ok.to(mine[0].dtype))
-            if steps is not None:
-                theirs = [local(steps[i]) for i in part]
-                _compat.foreach_add_(theirs, oks.to(theirs[0].dtype))
+        _advance([local(counts[i]) for i in part], ok)
+        if steps is not None:
+            _advance([local(steps[i]) for i in part], ok)
 
 
 def _real(*ts: torch.Tensor) -> tuple:

@@ -243,7 +243,8 @@ class Group:
         fulls: list = [None] * len(self.idx)
         for k, t in zip(self.sharded, got):
             fulls[k] = t
-            bases[k] = _compat.view_base(t) if _compat.view_base(t) is not None else t
+            base = _compat.view_base(t)
+            bases[k] = base if base is not None else t
         for k in self.replicated:
             i = self.idx[k]
             fulls[k] = bases[k] = self.shards[i].detach().to(self.params.dtypes[i], copy=True)

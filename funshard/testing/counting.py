@@ -59,13 +59,14 @@ def classify(func, args) -> tuple[str, int, int] | None:
     all-reduce tensor. Counted bytes are the c10d op's first argument (for a reduce-scatter,
     its output), the convention of :class:`funshard.plan.Traffic`'s ``counted``.
     """
-    if func.namespace == "funshard" and func.overloadpacket.__name__ == "collective":
+    name = func.overloadpacket.__name__
+    if func.namespace == "funshard" and name == "collective":
         return args[1], args[2], args[3]
-    if func.namespace != "c10d" or not args or func.overloadpacket.__name__ == "barrier":
+    if func.namespace != "c10d" or not args or name == "barrier":
         return None
-    if is_direct_message(func.overloadpacket.__name__, args):
+    if is_direct_message(name, args):
         return None
-    kind = _KINDS.get(func.overloadpacket.__name__, func.overloadpacket.__name__)
+    kind = _KINDS.get(name, name)
     counted = _nbytes(args[0])
     logical = _nbytes(args[1]) if kind == "reduce_scatter" and len(args) > 1 else counted
     return kind, logical, counted
