@@ -161,20 +161,20 @@ def _why(op: str) -> str:
             f"called under `if rank == 0:`) cannot work: call fs.{op}(...) on every rank.")
 
 
-def differ(where: str, wait: float = 1.5, store=None) -> str:
-    """A collective failed here without a posted error (a timeout, a peer gone): post this
-    rank's call and read the other ranks' (theirs fails too, at their timeout or when this
-    one's gives up), or their entry into a checkpoint call; if they differ, the sentence
-    that says which rank was in which call (and, where some ranks are in a checkpoint call,
-    that every rank must make it)."""
+def positions(where: str, wait: float = 1.5, store=None) -> dict[int, dict]:
+    """A collective failed here without a posted error (a timeout, a peer gone, a refusal):
+    post this rank's call and read the other ranks' (theirs fails too, at their timeout, when
+    this one's gives up, or at once), or their entry into a checkpoint call, for up to
+    ``wait`` seconds: ``{rank: position}``; this rank's alone where there is no store."""
     store = store or _store()
-    if store is None:
-        return ""
-    c, me, world = failures.CALLS, dist.get_rank(), dist.get_world_size()
+    c, me = failures.CALLS, dist.get_rank()
     mine = {"seq": c.seq, "what": c.what, "where": where, "at": time.time()}
+    seen = {me: mine}
+    if store is None:
+        return seen
+    world = dist.get_world_size()
     with contextlib.suppress(Exception):
         store.set(_key("stuck", me), json.dumps(mine))
-    seen = {me: mine}
     end = time.monotonic() + wait
     while len(seen) < world and time.monotonic() < end:
         for r in range(world):
@@ -185,6 +185,16 @@ def differ(where: str, wait: float = 1.5, store=None) -> str:
                 if got is not None:
                     seen[r] = got
         time.sleep(0.05)
+    return seen
+
+
+def differ(where: str, wait: float = 1.5, store=None,
+           seen: dict[int, dict] | None = None) -> str:
+    """If the ranks' calls differ (:func:`positions`, or ``seen``), the sentence that says
+    which rank was in which call (and, where some ranks are in a checkpoint call, that every
+    rank must make it); else ""."""
+    seen = positions(where, wait, store) if seen is None else seen
+    mine, world = seen[dist.get_rank()], dist.get_world_size()
     if all((s["seq"], s["what"]) == (mine["seq"], mine["what"]) for s in seen.values()):
         return ""
     lines = "; ".join(f"rank {r} in its call {s['seq']}, {s['what']} ({s['where']})"
