@@ -9,7 +9,8 @@
 __version__ = "0.2.0"
 
 from . import checkpoint, collectives, layout, mesh, optim, plan, pytree, step, testing
-from .collectives import CollectiveTimeout, OutOfStep, PeerLost, RankFailed
+from .collectives import (CollectiveRefused, CollectiveTimeout, OutOfStep, PeerLost,
+                          RankFailed)
 from .mesh import make_mesh
 from .pytree import buffers, params
 from .reduce import reduce_grads
@@ -20,6 +21,7 @@ from .step import (EvalStep, LossScale, Mean, MicroBatches, Policy, call, TrainS
 
 __all__ = [
     "__version__",
+    "CollectiveRefused",
     "CollectiveTimeout",
     "EvalStep",
     "LossScale",

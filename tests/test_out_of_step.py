@@ -26,3 +26,27 @@ def counts_of_a_group_of_two_backends(spec):
 def test_each_backend_of_a_group_counts_its_own_collectives(pools):
     for got in pools.run(2, counts_of_a_group_of_two_backends):
         assert sum(got.values()) == 2 and len(got) == 1, got
+
+
+def a_collective_the_backend_refuses(spec):
+    """Every rank issues an all-gather gloo refuses at once (int16, a dtype it lacks), inside
+    funshard's watch: what each rank raises."""
+    from funshard.collectives import watch
+
+    x, out = torch.zeros(4, dtype=torch.int16), torch.empty(8, dtype=torch.int16)
+    try:
+        with watch("all-gather", None):
+            dist.all_gather_into_tensor(out, x)
+    except Exception as e:  # noqa: BLE001 (what the caller sees is the point)
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def test_a_collective_every_rank_failed_alike_is_not_a_lost_peer(pools):
+    """No rank is gone when every rank failed the same collective at once: the error says the
+    backend refused it (not "another rank is gone"), and keeps the backend's words."""
+    for kind, msg in pools.run(2, a_collective_the_backend_refuses):
+        assert kind == "CollectiveRefused", (kind, msg)
+        assert "all-gather failed on every rank (2 of 2" in msg, msg
+        assert "the backend refused it" in msg and "Backend said: " in msg, msg
+        assert "another rank is gone" not in msg, msg

@@ -96,8 +96,10 @@ def peers(what: str, op: str, rank: int, pg=None):
         if failed is not None:  # another rank's exception: raise that
             raise failed from e
         late = failures.timed_out(since)
-        text, differ = str(e).strip()[:300], calls.differ(
-            f"{op}'s collectives", wait=1.5 if late else 0.2)
+        seen = calls.positions(f"{op}'s collectives", wait=1.5 if late else 1.0)
+        text, differ = str(e).strip()[:300], calls.differ("", seen=seen)
+        if not late and calls.all_failed_here(seen):
+            raise CheckpointError(failures.refused(what, len(seen), text)) from e
         if not late:
             raise CheckpointError(f"{what} failed on rank {rank}: another rank is gone (it died "
                                   f"or left the process group).{differ} Backend said: {text}"

@@ -5,12 +5,13 @@ from . import failures
 from .base import (TRANSPORTS, CollectiveTimeout, Gathered, Transport, announce,
                    force_collectives, skips, watch)
 from .gather import all_gather, all_to_all, check_transport, choose
-from .failures import OutOfStep, PeerLost, RankFailed
+from .failures import CollectiveRefused, OutOfStep, PeerLost, RankFailed
 from .p2p import is_direct_message
 from .reduce import GradBucket, Reducing, reduce_scatter
 
 __all__ = [
     "TRANSPORTS",
+    "CollectiveRefused",
     "CollectiveTimeout",
     "Gathered",
     "OutOfStep",

@@ -78,7 +78,11 @@ def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None,
         if failed is not None:
             raise failed from e
         late = failures.timed_out(since)
-        text, differ = str(e), calls.differ(where, wait=1.5 if late else 0.2)
+        seen = calls.positions(where, wait=1.5 if late else 1.0)
+        text, differ = str(e), calls.differ(where, seen=seen)
+        if not late and calls.all_failed_here(seen):
+            raise failures.CollectiveRefused(failures.refused(
+                f"funshard: {where}", len(seen), text.strip()[:300])) from e
         if not late:
             raise failures.PeerLost(
                 f"funshard: {where} failed on rank {dist.get_rank()}: another rank is gone (its "

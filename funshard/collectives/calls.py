@@ -188,6 +188,16 @@ def positions(where: str, wait: float = 1.5, store=None) -> dict[int, dict]:
     return seen
 
 
+def all_failed_here(seen: dict[int, dict]) -> bool:
+    """Whether every rank posted that it failed in this rank's collective (same call, same
+    place, :func:`positions`): no rank is gone and none is elsewhere, so the backend refused
+    the collective itself."""
+    mine = seen[dist.get_rank()]
+    return len(seen) == dist.get_world_size() and all(
+        (s["seq"], s["what"], s["where"]) == (mine["seq"], mine["what"], mine["where"])
+        for s in seen.values())
+
+
 def differ(where: str, wait: float = 1.5, store=None,
            seen: dict[int, dict] | None = None) -> str:
     """If the ranks' calls differ (:func:`positions`, or ``seen``), the sentence that says

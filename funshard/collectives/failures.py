@@ -86,6 +86,20 @@ class PeerLost(RuntimeError):
     without posting an error (it was killed, or exited early)."""
 
 
+class CollectiveRefused(RuntimeError):
+    """A collective failed on every rank at once, at the same place of the same call: no rank
+    is gone or stuck; the backend refused it (a dtype, an operation or a device it does not
+    support, or a bad argument)."""
+
+
+def refused(what: str, world: int, said: str) -> str:
+    """The words of a collective every rank failed alike (:class:`CollectiveRefused`)."""
+    return (f"{what} failed on every rank ({world} of {world}, at the same collective of the "
+            "same call): the backend refused it, so no rank is gone or stuck (a dtype, an "
+            "operation or a device this backend does not support, or a bad argument). "
+            f"Backend said: {said}")
+
+
 class _Calls:
     """This process's funshard calls: how many it started, the current one, and whether
     it posted a failure (the one piece of process state: ranks agree through it)."""
