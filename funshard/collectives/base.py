@@ -63,7 +63,8 @@ def watch(kind: str, mesh: DeviceMesh | None, dim: str | None = None,
           since: float | None = None):
     """Turn a backend's failure into an error that says what happened: :class:`RankFailed`
     when another rank's exception caused it (see :mod:`funshard.collectives.failures`), else a
-    :class:`CollectiveTimeout` or a lost peer that says what to do. ``since``: when the
+    :class:`CollectiveTimeout`, a refusal every rank met alike (``CollectiveRefused``), or a
+    lost peer, each saying what to do. ``since``: when the
     collective waited on inside was issued (``time.monotonic()``; default: now), which tells
     a timeout from a lost peer (:func:`failures.timed_out`)."""
     since = time.monotonic() if since is None else since
