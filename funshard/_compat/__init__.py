@@ -78,6 +78,18 @@ def _import(name: str):
         return None
 
 
+@contextlib.contextmanager
+def _recorded_in(into: list[str]):
+    """Within: the names :func:`_find` and :func:`_import` do not find are recorded in
+    ``into`` (what one feature lacks), not in :data:`MISSING`."""
+    before = len(MISSING)
+    try:
+        yield into
+    finally:
+        into.extend(MISSING[before:])
+        del MISSING[before:]
+
+
 _fc = _import("torch.distributed._functional_collectives")
 _import("torch._dynamo")
 _import("torch.nn.utils.stateless")
@@ -234,35 +246,27 @@ def inductor_patch(options: dict):
 EAGER_MISSING: list[str] = []
 
 
-def _eager(path: str, *names: str):
-    """:func:`_find`, recorded in :data:`EAGER_MISSING`."""
-    before = len(MISSING)
-    found = _find(path, *names)
-    EAGER_MISSING.extend(MISSING[before:])
-    del MISSING[before:]
-    return found
-
-
-_import("torch.utils._python_dispatch")
-_import("torch._dynamo.eval_frame")
-tensor_refs = _eager("torch.Tensor", "_use_count")  # (a tensor object's references)
-_storage_use_count = _eager("torch._C", "_storage_Use_Count")
-make_wrapper_subclass = _eager("torch.Tensor", "_make_wrapper_subclass")
-DisableTorchFunctionSubclass = _eager("torch._C", "DisableTorchFunctionSubclass")
-current_autograd_node = _eager("torch._C", "_current_autograd_node")
-top_saved_hooks = _eager("torch._C._autograd", "_top_saved_tensors_default_hooks")
-push_saved_hooks = _eager("torch._C._autograd", "_push_saved_tensors_default_hooks")
-pop_saved_hooks = _eager("torch._C._autograd", "_pop_saved_tensors_default_hooks")
-engine_run_backward = _eager("torch.autograd.graph", "_engine_run_backward")
-dispatch_mode_stack = _eager("torch.utils._python_dispatch",
-                             "_get_current_dispatch_mode_stack")
-pop_mode = _eager("torch.utils._python_dispatch", "_pop_mode")
-push_mode = _eager("torch.utils._python_dispatch", "_push_mode")
-skip_code = _eager("torch._dynamo.eval_frame", "skip_code")
+with _recorded_in(EAGER_MISSING):
+    _import("torch.utils._python_dispatch")
+    _import("torch._dynamo.eval_frame")
+    tensor_refs = _find("torch.Tensor", "_use_count")  # (a tensor object's references)
+    _storage_use_count = _find("torch._C", "_storage_Use_Count")
+    make_wrapper_subclass = _find("torch.Tensor", "_make_wrapper_subclass")
+    DisableTorchFunctionSubclass = _find("torch._C", "DisableTorchFunctionSubclass")
+    current_autograd_node = _find("torch._C", "_current_autograd_node")
+    top_saved_hooks = _find("torch._C._autograd", "_top_saved_tensors_default_hooks")
+    push_saved_hooks = _find("torch._C._autograd", "_push_saved_tensors_default_hooks")
+    pop_saved_hooks = _find("torch._C._autograd", "_pop_saved_tensors_default_hooks")
+    engine_run_backward = _find("torch.autograd.graph", "_engine_run_backward")
+    dispatch_mode_stack = _find("torch.utils._python_dispatch",
+                                "_get_current_dispatch_mode_stack")
+    pop_mode = _find("torch.utils._python_dispatch", "_pop_mode")
+    push_mode = _find("torch.utils._python_dispatch", "_push_mode")
+    skip_code = _find("torch._dynamo.eval_frame", "skip_code")
+    functorch_wrapped = _find("torch._C._functorch", "is_functorch_wrapped_tensor")
+    peek_interpreter_stack = _find("torch._C._functorch", "peek_interpreter_stack")
 if reparametrize is None:
     EAGER_MISSING.append("torch.nn.utils.stateless._reparametrize_module")
-functorch_wrapped = _eager("torch._C._functorch", "is_functorch_wrapped_tensor")
-peek_interpreter_stack = _eager("torch._C._functorch", "peek_interpreter_stack")
 
 
 def storage_refs(t: torch.Tensor) -> int:
@@ -286,12 +290,9 @@ def require_eager(what: str) -> None:
 # shards again on the same tensor dimension over ``"shard"``: the tensor-parallel split
 # first, then funshard's (what FSDP2 and DTensor's own redistribution use for it). Without
 # it funshard refuses such a leaf (:func:`require_strided`).
-MODEL_MISSING: list[str] = []
-_before = len(MISSING)
-_import("torch.distributed.tensor.placement_types")
-StridedShard = _find("torch.distributed.tensor.placement_types", "_StridedShard")
-MODEL_MISSING.extend(MISSING[_before:])
-del MISSING[_before:]
+with _recorded_in([]) as MODEL_MISSING:
+    _import("torch.distributed.tensor.placement_types")
+    StridedShard = _find("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
 def require_strided(what: str) -> None:
@@ -329,12 +330,9 @@ def pg_timeout(pg) -> float | None:
 # ``_get_sequence_number_for_group``: how many collectives this rank has issued there, the
 # position a failure report compares across ranks. Optional: without them a failure is
 # reported by the backend's words alone (``REPORT_MISSING`` names what is absent).
-REPORT_MISSING: list[str] = []
-_before = len(MISSING)
-_get_default_store = _find("torch.distributed.distributed_c10d", "_get_default_store")
-_c10d_world = _find("torch.distributed.distributed_c10d", "_world")
-REPORT_MISSING.extend(MISSING[_before:])
-del MISSING[_before:]
+with _recorded_in([]) as REPORT_MISSING:
+    _get_default_store = _find("torch.distributed.distributed_c10d", "_get_default_store")
+    _c10d_world = _find("torch.distributed.distributed_c10d", "_world")
 
 
 def default_store():
@@ -363,34 +361,31 @@ def group_positions() -> dict[str, int]:
 #
 # ``torch._foreach_*`` and ``torch._fused_adamw_`` (torch.optim's foreach and fused paths):
 # funshard's optimizers, clip and reductions run them; importing funshard fails without.
-_before = len(MISSING)
-foreach_add = _find("torch", "_foreach_add")
-foreach_add_ = _find("torch", "_foreach_add_")
-foreach_addcdiv_ = _find("torch", "_foreach_addcdiv_")
-foreach_addcmul_ = _find("torch", "_foreach_addcmul_")
-foreach_copy_ = _find("torch", "_foreach_copy_")
-foreach_div_ = _find("torch", "_foreach_div_")
-foreach_lerp_ = _find("torch", "_foreach_lerp_")
-foreach_mul = _find("torch", "_foreach_mul")
-foreach_mul_ = _find("torch", "_foreach_mul_")
-foreach_norm = _find("torch", "_foreach_norm")
-foreach_sqrt = _find("torch", "_foreach_sqrt")
-fused_adamw_ = _find("torch", "_fused_adamw_")
-if len(MISSING) > _before:
+with _recorded_in([]) as _kernels_missing:
+    foreach_add = _find("torch", "_foreach_add")
+    foreach_add_ = _find("torch", "_foreach_add_")
+    foreach_addcdiv_ = _find("torch", "_foreach_addcdiv_")
+    foreach_addcmul_ = _find("torch", "_foreach_addcmul_")
+    foreach_copy_ = _find("torch", "_foreach_copy_")
+    foreach_div_ = _find("torch", "_foreach_div_")
+    foreach_lerp_ = _find("torch", "_foreach_lerp_")
+    foreach_mul = _find("torch", "_foreach_mul")
+    foreach_mul_ = _find("torch", "_foreach_mul_")
+    foreach_norm = _find("torch", "_foreach_norm")
+    foreach_sqrt = _find("torch", "_foreach_sqrt")
+    fused_adamw_ = _find("torch", "_fused_adamw_")
+if _kernels_missing:
     raise ImportError(f"funshard needs torch's multi-tensor kernels, which this torch "
-                      f"{torch.__version__} lacks: {', '.join(MISSING[_before:])}. Use a "
+                      f"{torch.__version__} lacks: {', '.join(_kernels_missing)}. Use a "
                       "torch funshard supports (2.11 or newer).")
 
 # -- the testing helpers' -------------------------------------------------------------------
 #
 # ``torch.utils._python_dispatch.TorchDispatchMode``: fs.testing's counters and memory meter
 # are such modes. fs.testing fails at its import without it.
-TESTING_MISSING: list[str] = []
-_before = len(MISSING)
-_import("torch.utils._python_dispatch")
-TorchDispatchMode = _find("torch.utils._python_dispatch", "TorchDispatchMode")
-TESTING_MISSING.extend(MISSING[_before:])
-del MISSING[_before:]
+with _recorded_in([]) as TESTING_MISSING:
+    _import("torch.utils._python_dispatch")
+    TorchDispatchMode = _find("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def require_testing(what: str) -> None:
