@@ -133,11 +133,11 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
                  first, j: int, k: int, scale) -> tuple:
     """Forward and backward of micro-batch ``j`` of ``k`` under ``run``: (loss, aux).
     ``first``: micro-batch 0's loss (None for micro-batch 0 itself)."""
-    if run.direct:
+    if run.is_direct():
         tree, hooks = pytree.unflatten(params.spec, run.start_direct()), contextlib.nullcontext()
     else:
         tree = pytree.unflatten(params.spec, lazy.stand_ins(run, params, shards))
-        hooks = run.saved.hooks()  # over the caller's, if theirs are on top
+        hooks = run.hooks()  # over the caller's, if theirs are on top
     if bufs is not None:  # loss_fn((params, buffers), batch): see .buffers
         tree = (tree, bufs)
     try:
@@ -153,7 +153,7 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
         with torch.enable_grad():
             recompute.backward(run, scaling.scaled(loss_.value(loss),
                                                    loss_.share(loss, k), scale))
-        if run.direct:
+        if run.is_direct():
             params.leaves.check_unwritten(params)
         else:
             lazy.check_untaken(run)
@@ -165,7 +165,7 @@ def _micro_batch(loss_fn, params: ParamGroups, run: Run, shards: list, bufs: Any
 def _reduced_grads(run: Run, n: int) -> list:
     """The ``n`` leaves' reduced gradients, from the last micro-batch's ``run``."""
     grads: list = [None] * n
-    for g in run.groups:
+    for g in run.all_groups():
         if g.grads is not None:
             for k, i in enumerate(g.idx):
                 grads[i] = g.grads[k]

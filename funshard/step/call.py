@@ -73,14 +73,14 @@ def call(module: torch.nn.Module, params: Any, *args: Any, **kwargs: Any) -> Any
     seen = _SEEN.get()  # a compiled step's (or eval_step's) first call: the modules
     if seen is not None and not any(m is module for m in seen):
         seen.append(module)
-    if run is None or run.backward:
+    if run is None or run.in_backward():
         return torch.func.functional_call(module, params, args, kwargs)
     merged = _merged(params)
     # undone by Run.finish, after backward; a stand-in a recompute reads is refused as it is
     # read (lazy._recomputed), so only plain tensors are watched for a second installation
-    calls = run.calls
+    calls = run.installations()
     stack = calls.add(module, merged, lazy.LazyParam)
-    if run.stand_group:
+    if run.has_stand_ins():
         _enter_groups(run, module, merged, stack)
     if run.policy.checkpoint:
         _checkpoint_groups(run, module, stack)
@@ -187,7 +187,7 @@ class _Entered:
     @functools.partial(torch.compiler.disable, recursive=False)
     def __call__(self, *args, **kwargs):
         run = self.run
-        if run.backward:
+        if run.in_backward():
             with install(self.module, recomputed(run, self.gi, self.leaves)):
                 return self.forward(*args, **kwargs)
         fulls = enter_module(run, self.gi, self.leaves)
@@ -204,8 +204,8 @@ def enter_module(run, gi: int, leaves: list) -> dict:
     module] in :mod:`.call`): the group is gathered now, before the module's first op, and
     stays resident until the module returns. Returns its full tensors by name in the
     module."""
-    run.calls.enter(gi)
-    group = run.groups[gi]
+    run.installations().enter(gi)
+    group = run.group(gi)
     if group.resident:
         run.use([gi], new_op=True)
     else:
@@ -230,7 +230,7 @@ def recomputed(run, gi: int, leaves: list) -> dict:
 def leave_module(run, gi: int) -> None:
     """Group ``gi``'s module returns: the group is the latest op's again, freed (FULL_SHARD)
     when an op gathers another group, kept into backward if none does (the last block)."""
-    if not run.calls.leave(gi):
+    if not run.installations().leave(gi):
         run.hold(gi)
 
 
@@ -239,10 +239,10 @@ def _enter_groups(run: Run, module: torch.nn.Module, merged: dict,
                   stack: contextlib.ExitStack) -> None:
     """Each group module of ``module`` whose parameters are this run's stand-ins is entered
     with its group gathered (see [Note: groups entered at their module])."""
-    names, of = run.params.names, run.stand_group
+    names = run.params.names
     found: dict[int, list] = {}
     for path, t in merged.items():
-        gi, k = of.get(id(t), (None, None))
+        gi, k = run.stand_in_of(t)
         if gi is not None and names[gi] and path.startswith(names[gi]) \
                 and path[len(names[gi]):len(names[gi]) + 1] == ".":
             found.setdefault(gi, []).append((path[len(names[gi]) + 1:], k))
@@ -314,7 +314,7 @@ def _checkpointed(forward, *args, **kwargs):
 def _regathered(run: Run, gi: int, forward, *args, **kwargs):
     """A checkpointed group's forward. Recomputed in backward, it uses its group first: every
     rank gathers the group here."""
-    if run.backward:
+    if run.in_backward():
         recompute.check_reinstalled(run)
         with recompute.own_ops(False), torch.no_grad():
             run.use([gi], new_op=True)
@@ -323,7 +323,7 @@ def _regathered(run: Run, gi: int, forward, *args, **kwargs):
 
 def check_found(run: Run) -> None:
     """After ``loss_fn``: ``Policy(checkpoint=)`` found its modules through ``fs.call``."""
-    if run.policy.checkpoint and not run.calls.any():
+    if run.policy.checkpoint and not run.installations().any():
         raise ValueError(
             "train_step: Policy(checkpoint=...) checkpoints the modules of the groups it "
             "selects, which it finds in the module loss_fn calls through fs.call; loss_fn "

@@ -143,7 +143,7 @@ def _on_stand_ins(func, args: tuple, kwargs: dict):
             "Inside the step a parameter exists only while loss_fn runs; outside it, use the "
             "returned state (fs.unshard(state.params))."
         )
-    if run.backward:  # a forward recomputed in backward: see [Note: recomputation]
+    if run.in_backward():  # a forward recomputed in backward: see [Note: recomputation]
         return _recomputed(run, func, args, kwargs, lazies)
     run.note_region()
     if func is F.batch_norm:
@@ -218,9 +218,9 @@ def _refuse_unsupported(run, lazies: list[LazyParam]) -> bool:
     no way to. Returns whether the group must enter autograd under grad mode (the op runs
     under no_grad: the user's own, a Function's forward, a reentrant checkpoint region's;
     the op takes no gradient, the group's other uses do)."""
-    top = run.saved.foreign_top()
+    top = run.foreign_hooks()
     if top is not None and not recompute.is_checkpoint_hook(top[0]):  # not a region's forward
-        if not run.saved.adopt(top):
+        if not run.adopt_hooks(top):
             raise NotImplementedError(
                 f"train_step: parameter {path_of(lazies[0])!r} was first used under "
                 "saved-tensor hooks other than the step's (this torch has no way to put the "
@@ -263,7 +263,7 @@ def check_untaken(run) -> None:
     """After a micro-batch's backward: no stand-in holds a gradient :func:`taken` did not
     take (one that came after its group's gradients were handed on): refused by name."""
     with _compat.DisableTorchFunctionSubclass():
-        for g in run.groups:
+        for g in run.all_groups():
             for x in g.stands or ():
                 if x.requires_grad and x.grad is not None:
                     raise function_first(path_of(x))
@@ -276,7 +276,7 @@ def _substitute(run, values, recompute: bool = False) -> list:
     for x in values:
         if isinstance(x, LazyParam):
             x = run.model_view(x._gi, x._k, run.recompute_leaf(x._gi, x._k) if recompute
-                               else run.groups[x._gi].fulls[x._k])
+                               else run.group(x._gi).fulls[x._k])
         elif isinstance(x, (list, tuple)):
             x = type(x)(_substitute(run, x, recompute))
         out.append(x)
@@ -322,9 +322,7 @@ def stand_ins(run, params, shards: list[torch.Tensor], *,
                      lay.shape if lay.model is None else lay.model.shape, params.dtypes[i],
                      shards[i].device, requires_grad and params.trainable[i])
            for i, lay in enumerate(params.layouts)]
-    run.stand_group = {id(x): (params.group_of[i], params.pos[i]) for i, x in enumerate(out)}
-    for g in run.groups:
-        g.stands = [out[i] for i in g.idx]
+    run.set_stand_ins(out, params.group_of, params.pos)
     return out
 
 
@@ -359,7 +357,7 @@ class Tap(torch.autograd.Function):
         if ctx.group.ended:
             raise recompute.ended_twice(ctx.group)
         if grad is not None:
-            ctx.run.grads.put(ctx.group, ctx.k, grad)
+            ctx.run.put_grad(ctx.group, ctx.k, grad)
         return None, None, None, None
 
 
@@ -389,7 +387,7 @@ def enter(run, group) -> None:
     if group.aliases:
         group.alias()
         return
-    outs = Gather.apply(run, group, *[run.shards[i] for i in group.idx])
-    if run.tapped:
+    outs = Gather.apply(run, group, *[run.shard(i) for i in group.idx])
+    if run.streams():
         for k in run.params.tap_pos[group.gi]:
             group.fulls[k] = Tap.apply(run, group, k, outs[k])

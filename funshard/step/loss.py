@@ -155,8 +155,8 @@ def check_reaches_only_params(run, loss: torch.Tensor) -> None:
     unchanged. Other leaves that require grad (an input made to, as reentrant checkpointing
     and Hugging Face's ``enable_input_require_grads`` do) are the caller's business. One walk
     of the graph (about 1 us per node)."""
-    owned = {id(t) for t in run.shards}  # the leaves Gather takes, or the direct path's
-    for g in run.groups:  # an ALIASED group's leaves
+    owned = run.shard_ids()  # the leaves Gather takes, or the direct path's
+    for g in run.all_groups():  # an ALIASED group's leaves
         owned.update(id(t) for t in g.fulls or ())
     seen, stack, foreign = set(), [loss.grad_fn], []
     while stack:
@@ -172,7 +172,7 @@ def check_reaches_only_params(run, loss: torch.Tensor) -> None:
         stack.extend(fn for fn, _ in node.next_functions)
     if foreign:
         t = foreign[0]
-        name = run.calls.name_of(t)
+        name = run.installations().name_of(t)
         what = (f"parameter {name!r} (shape {tuple(t.shape)}, {t.dtype}) of a module given "
                 f"to fs.call" if name else
                 f"an nn.Parameter of shape {tuple(t.shape)}, {t.dtype}")

@@ -142,20 +142,20 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
     def __init__(self, run):
         super().__init__()
         self.run, self._own = run, None
-        self.reinstalled = run.calls.twice_ids()
+        self.reinstalled = run.installations().twice_ids()
 
     @property
     def own(self) -> set[int]:
         """The module parameters fs.call left in place (params did not name them)."""
         if self._own is None:
-            self._own = self.run.calls.left_in_place()
+            self._own = self.run.installations().left_in_place()
         return self._own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for x in (*args, *kwargs.values()):
             if self.reinstalled and id(x) in self.reinstalled:
-                raise reinstalled(self.run.calls.twice())
+                raise reinstalled(self.run.installations().twice())
             if isinstance(x, torch.nn.Parameter) and id(x) not in self.own:
                 raise NotImplementedError(
                     "train_step: activation checkpointing recomputed a forward that read a "
@@ -172,8 +172,8 @@ class RecomputeGuard(torch.overrides.TorchFunctionMode):
 def check_reinstalled(run) -> None:
     """A recompute (in backward) of a forward in which ``fs.call`` installed a module twice
     with other tensors: refused (it would run every call on the last one's tensors)."""
-    if run.calls.twice():
-        raise reinstalled(run.calls.twice())
+    if (twice := run.installations().twice()):
+        raise reinstalled(twice)
 
 
 def reinstalled(name: str) -> NotImplementedError:

@@ -75,6 +75,80 @@ class Run:
         self.note_peak()
         return fulls
 
+    # -- what the modules around a run read of it -----------------------------------------
+
+    def group(self, gi: int) -> Group:
+        return self.groups[gi]
+
+    def all_groups(self) -> list[Group]:
+        return self.groups
+
+    def gathers(self) -> bool:
+        """Whether some group holds gathered storage."""
+        return bool(self.storage)
+
+    def gathered_at(self, ptr: int) -> tuple | None:
+        """``(group, leaf)`` whose gathered storage starts at data pointer ``ptr``, or None."""
+        return self.storage.get(ptr)
+
+    def in_backward(self) -> bool:
+        """Whether forward has ended (a forward op now is a recompute)."""
+        return self.backward
+
+    def is_direct(self) -> bool:
+        """Whether ``loss_fn`` gets the shards themselves ([Note: the direct path])."""
+        return self.direct
+
+    def shard(self, i: int) -> torch.Tensor:
+        return self.shards[i]
+
+    def shard_ids(self) -> set[int]:
+        """The ids of the run's shards (the leaves Gather takes, or the direct path's)."""
+        return {id(t) for t in self.shards}
+
+    def installations(self) -> Installations:
+        """``fs.call``'s installations in this run (undone when it finishes)."""
+        return self.calls
+
+    def hooks(self):
+        """The step's saved-tensor hooks around ``loss_fn`` (:meth:`SavedParams.hooks`)."""
+        return self.saved.hooks()
+
+    def foreign_hooks(self):
+        """The caller's saved-tensor hooks on top of autograd's stack, or None."""
+        return self.saved.foreign_top()
+
+    def adopt_hooks(self, top) -> bool:
+        """The step's hooks put over the caller's ``top`` (:meth:`SavedParams.adopt`)."""
+        return self.saved.adopt(top)
+
+    def set_stand_ins(self, stands: list, group_of: list, pos: list) -> None:
+        """``loss_fn``'s stand-ins, one per leaf (leaf ``i``: leaf ``pos[i]`` of group
+        ``group_of[i]``), known to their groups."""
+        self.stand_group = {id(x): (group_of[i], pos[i]) for i, x in enumerate(stands)}
+        for g in self.groups:
+            g.stands = [stands[i] for i in g.idx]
+
+    def stand_in_of(self, t) -> tuple:
+        """``(group, leaf)`` of ``t`` if it is one of this run's stand-ins, else ``(None,
+        None)``."""
+        return self.stand_group.get(id(t), (None, None))
+
+    def has_stand_ins(self) -> bool:
+        return bool(self.stand_group)
+
+    def put_grad(self, group: Group, k: int, grad: torch.Tensor) -> None:
+        """Leaf ``k`` of ``group``'s gradient for this micro-batch, complete (a Tap's)."""
+        self.grads.put(group, k, grad)
+
+    def streams(self) -> bool:
+        """Whether large gradients stream to their buckets (:class:`lazy.Tap`)."""
+        return self.tapped
+
+    def recording(self) -> bool:
+        """Whether this run learns the step's schedule."""
+        return self.record
+
     def peaks(self) -> tuple[int, int]:
         """The most groups gathered or in flight at once, and the most bytes they held."""
         return self.peak_groups, self.peak_bytes

@@ -55,8 +55,8 @@ class SavedParams:
     def pack(self, t: torch.Tensor):
         if isinstance(t, LazyParam):  # a stand-in no op has used yet, saved as it is
             return self._pack_stand_in(t)
-        storage = self.run.storage
-        if not storage:  # no group holds gathered storage (a world of one, no cast)
+        run = self.run
+        if not run.gathers():  # no group holds gathered storage (a world of one, no cast)
             return t
         # a DTensor the model computes with (see Run.model_view): its local tensor's storage
         local = t
@@ -64,7 +64,7 @@ class SavedParams:
             with torch.no_grad():  # the local tensor itself, no autograd node
                 local = t.to_local()
         try:
-            hit = storage.get(local.untyped_storage().data_ptr())
+            hit = run.gathered_at(local.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
             return t
         if hit is None:
@@ -100,7 +100,7 @@ class SavedParams:
         over = Beneath(self, *top)
         _POP()
         _PUSH(over.pack, over.unpack)
-        for g in self.run.groups:
+        for g in self.run.all_groups():
             if g.resident:
                 g.pinned = True
         return True
@@ -109,7 +109,7 @@ class SavedParams:
         """A stand-in saved as it is (by a custom Function it was given to, or as a
         checkpoint region's input): counted as a saved copy of its leaf, and unpacked as
         the leaf's full tensor."""
-        group = self.run.groups[t._gi]
+        group = self.run.group(t._gi)
         group.saved[t._k] += 1
         group.bare[t._k] += 1
         return (t._gi, t._k, None)
@@ -117,7 +117,7 @@ class SavedParams:
     @untraced
     def unpack(self, packed):
         run = self.run
-        waiting = self.prefetch_when_done is not None and run.backward
+        waiting = self.prefetch_when_done is not None and run.in_backward()
         if not waiting and not isinstance(packed, tuple):
             return packed  # the common case: an activation, nothing to do
         node = _compat.current_autograd_node()
@@ -134,7 +134,7 @@ class SavedParams:
                 "that has ended (a graph kept past the step: an aux output's, or a tensor "
                 "loss_fn kept): its gathered copy is gone. Compute what needs gradients inside "
                 "loss_fn, as part of the loss.")
-        group = run.groups[gi]
+        group = run.group(gi)
         if group.bases is None or group.bases[k] is not None:  # else let go: t is intact
             run.use([gi], new_op=node is None or node is not self.node)
             if k in group.to_regather:
@@ -145,7 +145,7 @@ class SavedParams:
             t = group.fulls[k]
             if t is None:  # let go of (an earlier unpack was its last): gathered again
                 t = run.recompute_leaf(gi, k)
-        if run.backward:
+        if run.in_backward():
             self._consumed(group, k, node)
         return t
 
@@ -153,7 +153,7 @@ class SavedParams:
         """Backward used one saved copy of leaf ``k``: count it; drop the leaf after its
         last; schedule the next prefetch once enough of the group is consumed."""
         run = self.run
-        if run.record:
+        if run.recording():
             seen = self.first_unpack.setdefault(group.gi, [])
             if k not in seen:
                 seen.append(k)
