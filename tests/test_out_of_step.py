@@ -50,3 +50,23 @@ def test_a_collective_every_rank_failed_alike_is_not_a_lost_peer(pools):
         assert "all-gather failed on every rank (2 of 2" in msg, msg
         assert "the backend refused it" in msg and "Backend said: " in msg, msg
         assert "another rank is gone" not in msg, msg
+
+
+def a_checkpoint_collective_the_backend_refuses(spec):
+    """The same refusal inside a checkpoint call's collectives: what each rank raises."""
+    from funshard.checkpoint import errors
+
+    x, out = torch.zeros(4, dtype=torch.int16), torch.empty(8, dtype=torch.int16)
+    try:
+        with errors.peers("checkpoint.save('ckpt')", "checkpoint.save", dist.get_rank()):
+            dist.all_gather_into_tensor(out, x)
+    except Exception as e:  # noqa: BLE001 (what the caller sees is the point)
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def test_a_checkpoint_collective_every_rank_failed_alike_is_not_a_lost_peer(pools):
+    for kind, msg in pools.run(2, a_checkpoint_collective_the_backend_refuses):
+        assert kind == "CheckpointError", (kind, msg)
+        assert msg.startswith("checkpoint.save('ckpt') failed on every rank (2 of 2"), msg
+        assert "the backend refused it" in msg and "another rank is gone" not in msg, msg
