@@ -71,6 +71,15 @@ def norm_weights(layouts: Sequence[Layout], mesh) -> list[float]:
     return [norm_weight(lay, mesh.size()) for lay in layouts]
 
 
+def norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm, float32: a complex gradient's is its modulus's (the imaginary
+    part counts, as in ``torch.nn.utils.clip_grad_norm_``; a ``.float()`` would drop it);
+    float64 and the half precisions are rounded to float32 first."""
+    return _compat.foreach_norm([g if g.dtype in (torch.float32, torch.complex64) else
+                                 (torch.view_as_real(g) if g.is_complex() else g).float()
+                                 for g in grads])
+
+
 def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor,
                   device: torch.device) -> torch.Tensor:
     """This rank's weighted share of the global squared norm (float64, on ``device``, the
@@ -78,10 +87,10 @@ def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torc
     ``weights``: one per gradient, or already a float64 tensor of them on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = _compat.foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
+    per = norms(grads)
     w = (weights if isinstance(weights, torch.Tensor)
          else torch.tensor(list(weights), dtype=torch.float64, device=device))
-    return (torch.stack(norms).double() ** 2 * w).sum()
+    return (torch.stack(per).double() ** 2 * w).sum()
 
 
 def first_nonfinite(grads: Sequence[torch.Tensor], mesh) -> list[int]:

@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import _compat
 from .. import collectives
 from ..layout import layout_of, norm_weight
 from ..mesh import model_dims, process_groups
-from ..reduce import local_sq_norm
+from ..reduce import local_sq_norm, norms
 from .base import (EmptyState, GradientTransformation, Tree, as_delta, flatten, materialize,
                    path_str, unflatten)
 from .measured import known as measured_for
@@ -73,8 +72,8 @@ def global_norm(updates: Tree, params: Tree) -> float:
                if isinstance(p_leaves[i], DTensor) else 1.0 / world for i in idx]
     # one leaf materialized at a time (no transient beyond the largest leaf); then the sum
     # as reduce.local_sq_norm forms it
-    norms = [_compat.foreach_norm([materialize(u_leaves[i], p_leaves[i]).float()])[0] for i in idx]
-    sq = local_sq_norm(norms, weights, _device(p_leaves))
+    per = [norms([materialize(u_leaves[i], p_leaves[i])])[0] for i in idx]
+    sq = local_sq_norm(per, weights, _device(p_leaves))
     sq = _all_reduce(sq, mesh, dist.ReduceOp.SUM, "all-reduce of the gradient norm")
     return sq.clamp_min(0).sqrt().item()
 

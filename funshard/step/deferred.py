@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from .. import _compat
 from .. import collectives, pytree
+from ..reduce import norms
 from ..optim import traced as traced_
 from . import batches, donation, scaling
 from .metrics import Metrics
@@ -224,8 +225,7 @@ def _sums(params: ParamGroups, out: Grads, present: list, k: int, rows: int) -> 
     weights = params.on_device(("norm weights", tuple(present)), torch.float64,
                                lambda: [params.norm_weight[i] for i in present])
     grads = [out.grads[i] for i in present]
-    norms = _compat.foreach_norm([g if g.dtype is torch.float32 else g.float() for g in grads])
-    per = torch.stack(norms).double() ** 2 * weights
+    per = torch.stack(norms(grads)).double() ** 2 * weights
     reached = params.on_device(("reached", tuple(i in out.used for i in present)),
                                torch.float64, lambda: [float(i in out.used) for i in present])
     return torch.cat([sums_head(params, out, k, rows, per.sum()), per, reached])
