@@ -76,8 +76,13 @@ def norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     part counts, as in ``torch.nn.utils.clip_grad_norm_``; a ``.float()`` would drop it);
     float64 and the half precisions are rounded to float32 first."""
     return _compat.foreach_norm([g if g.dtype in (torch.float32, torch.complex64) else
-                                 (torch.view_as_real(g) if g.is_complex() else g).float()
-                                 for g in grads])
+                                 real(g).float() for g in grads])
+
+
+def real(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a complex ``t`` as the real pairs it is made of (a view), where a real
+    tensor is needed that loses nothing of it (a ``.float()`` drops the imaginary part)."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor,

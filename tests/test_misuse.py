@@ -198,6 +198,8 @@ def disagreeing_init(spec, what):
                   "keep_dtype": (lambda n: n == "inp.bias") if rank else (lambda n: False)}
     if what == "replicated":  # a 0-d leaf is replicated on every rank
         params = {**params, "scale": torch.tensor(float(rank))}
+    if what == "replicated_imaginary":  # the same real part on every rank, not the same value
+        params = {**params, "phase": torch.tensor(complex(1.0, float(rank)))}
     step = fs.train_step(mse_loss(model), fs.optim.sgd(lr=0.1), policy=fs.Policy(**policy))
     return capture(lambda: step.init(fs.shard(params, m)))
 
@@ -214,6 +216,8 @@ DISAGREE = {
     "unseeded": ("2x2", "differs between rank 0 and rank 2 (the same shard on two replicas"),
     "replicated": ("2", "parameter 'scale' (shape ()) differs between rank 0 and rank 1 "
                         "(a replicated parameter"),
+    "replicated_imaginary": ("2", "parameter 'phase' (shape ()) differs between rank 0 and "
+                                  "rank 1 (a replicated parameter"),
 }
 
 

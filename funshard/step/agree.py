@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..mesh import SHARD, mesh_str
+from ..reduce import real
 
 
 def fingerprint(params, policy) -> list[tuple[str, str]]:
@@ -40,12 +41,13 @@ def fingerprint(params, policy) -> list[tuple[str, str]]:
 
 
 def checksums(shards: list[torch.Tensor]) -> list[str]:
-    """A cheap fingerprint of each local shard's values (sum and sum of squares, float64),
-    computed on its device with one host sync for all of them."""
+    """A cheap fingerprint of each local shard's values (sum and sum of squares, float64; a
+    complex shard's as its pairs of reals), computed on its device with one host sync for
+    all of them."""
     if not shards:
         return []
     sums = torch.stack([torch.stack([x.sum(), (x * x).sum()]) for x in
-                        (s.detach().reshape(-1).double() for s in shards)])
+                        (real(s.detach()).reshape(-1).double() for s in shards)])
     return [f"{a!r}/{b!r}" for a, b in sums.tolist()]
 
 

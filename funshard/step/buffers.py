@@ -10,8 +10,8 @@ buffers take the result.
 
 Rules (``Policy(buffers=...)``), over all ranks of the mesh (every rank is data-parallel):
 
-- ``"mean"`` (default): floating buffers become their mean over ranks; others (BatchNorm's
-  ``num_batches_tracked``) take rank 0's value. A running mean then equals the one a single
+- ``"mean"`` (default): floating (and complex) buffers become their mean over ranks;
+  others (BatchNorm's ``num_batches_tracked``) take rank 0's value. A running mean then equals the one a single
   process would keep on the whole batch (the running average is linear in the batch mean;
   with equal local batch sizes). A running *variance* is the mean of the ranks' variances,
   which lacks the spread between ranks' means: exact parity needs SyncBatchNorm.
@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import _compat, collectives, pytree
+from ..reduce import real
 from ..shard import shard
 
 RULES = ("mean", "broadcast", "own")
@@ -93,10 +94,11 @@ def sync(rule: str, work: list[torch.Tensor], mesh: DeviceMesh) -> None:
     """Make the ranks' working copies agree, in place, by ``rule``."""
     if rule == "own" or collectives.skips(mesh.size()) or not work:
         return
-    floats = [t for t in work if t.is_floating_point()] if rule == "mean" else []
-    rest = [t for t in work if not (rule == "mean" and t.is_floating_point())]
+    averaged = [t.is_floating_point() or t.is_complex() for t in work]
+    floats = [real(t) for t, a in zip(work, averaged) if a] if rule == "mean" else []
+    rest = [t for t, a in zip(work, averaged) if not (rule == "mean" and a)]
     with collectives.watch(f"the buffers' {rule}", mesh):
-        if floats:
+        if floats:  # (a complex buffer's as its real pairs: a view, written through)
             flat = torch.cat([t.reshape(-1).double() for t in floats])
             dist.all_reduce(flat)
             flat /= mesh.size()

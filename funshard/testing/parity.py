@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import pytree
+from ..reduce import real
 from .lane import mesh, world_of
 from .pool import Pool, Pools
 
@@ -195,7 +196,8 @@ def reference(loss_fn: Callable, params, optimizer, batches: Sequence, policy) -
         for j, g in zip(trainable, got):
             grads[j] = torch.zeros_like(leaves[j]) if g is None else g
         if policy.clip_norm is not None:
-            total = math.sqrt(sum(g.double().pow(2).sum().item() for g in got if g is not None))
+            total = math.sqrt(sum(real(g).double().pow(2).sum().item()
+                                  for g in got if g is not None))
             coef = min(1.0, policy.clip_norm / (total + 1e-6))
             grads = [g if g is None else g * coef for g in grads]
         p, state = optimizer.update(pytree.unflatten(spec, grads), state, p, step=i)
@@ -229,7 +231,7 @@ def _difference(ours: tuple, ref: tuple, atol: float, rtol: float) -> str:
                     f"process {tuple(want.shape)}")
         if not want.numel():
             continue
-        a, b = got.double(), want.double()
+        a, b = real(got).double(), real(want).double()  # a complex leaf: its parts
         bad = ~torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         if bad.any():
             diff = (a - b).abs().nan_to_num(nan=math.inf)
