@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ..reduce import real
 from .base import (ScalarOrSchedule, Tree, advance_counts, check_held, flatten, locals_of,
                    lr_at, mask_flags, unflatten)
 
@@ -239,8 +240,12 @@ def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tr
         more = [locals_of(flatten(state.exp_avg)[1]), locals_of(flatten(state.exp_avg_sq)[1])]
     else:
         more = [] if _stateless(t) else [locals_of(flatten(state.momentum_buffer)[1])]
-    return tuple(tuple((grads[i], p[i], *(m[i] for m in more)) for i in g)
-                 for g in prepared.groups)
+    # Adam steps a complex leaf as its real pairs (views), as torch.optim.Adam does: its second
+    # moment is per part (a complex ``g * g`` would mix them); SGD's ops are the same either way
+    # and torch's steps the complex tensors
+    as_ = real if t.kind == "adam" else (lambda x: x)
+    return tuple(tuple(tuple(as_(x) for x in (grads[i], p[i], *(m[i] for m in more)))
+                       for i in g) for g in prepared.groups)
 
 
 def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,

@@ -13,10 +13,11 @@ from typing import NamedTuple
 import torch
 
 from .. import _compat
+from ..reduce import real
 from .base import (Delta, EmptyState, FusedAdam, GradientTransformation, RootDen,
                    ScalarOrSchedule, Tree, advance_counts, as_delta, check, check_held,
                    check_lr, chunks, counts_tree, flatten, group_by, locals_of, lr_at,
-                   materialize, unflatten, zeros_tree)
+                   materialize, path_str, unflatten, zeros_tree)
 
 
 class AdamState(NamedTuple):
@@ -101,6 +102,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         done = [prior[i] for i in idx]  # each active leaf's updates before this one
         out = list(leaves)
         if fused:
+            _refuse_complex(params, idx, ps)
             for j, i in enumerate(idx):
                 u, g = as_delta(us[j]), None
                 if u.den is None and u.wd == 0.0 and not u.final:  # a pending scale only
@@ -115,19 +117,41 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             # torch.optim's foreach Adam, a chunk of leaves at a time; the denominator stays
             # pending (RootDen) until the parameter is written ([Note: lean updates])
             for pos, ms, vs, us_, ps_ in by_device(idx, m, v, us, ps):
-                for run in runs_of(us_, ms):
-                    gs = [materialize(us_[j], ps_[j]) for j in run]
-                    m_run, v_run = [ms[j] for j in run], [vs[j] for j in run]
+                for run in runs_of(us_, ms):  # (a complex leaf as its real pairs: below)
+                    gs = [real(materialize(us_[j], ps_[j])) for j in run]
+                    m_run, v_run = [real(ms[j]) for j in run], [real(vs[j]) for j in run]
                     _compat.foreach_lerp_(m_run, gs, 1 - b1)
                     _compat.foreach_mul_(v_run, b2)
                     _compat.foreach_addcmul_(v_run, gs, gs, 1 - b2)
                     del gs
                 for i, mm, vv in zip(pos, ms, vs):
                     bc1, bc2_sqrt = corrections[prior[i]]
-                    out[i] = Delta(mm, RootDen(vv, bc2_sqrt, eps), divisor=bc1)
+                    out[i] = (_complex_direction(mm, vv, bc2_sqrt, eps, bc1) if mm.is_complex()
+                              else Delta(mm, RootDen(vv, bc2_sqrt, eps), divisor=bc1))
         return unflatten(spec, out), state
 
     return GradientTransformation(init, update, form=("adam", b1, b2, eps, fused))
+
+
+def _complex_direction(m: torch.Tensor, v: torch.Tensor, bc2_sqrt: float, eps: float,
+                       bc1: float) -> Delta:
+    """Adam's direction for a complex leaf, made now: torch.optim.Adam steps a complex
+    parameter as its real pairs, each part with its own second moment (kept in ``v``'s
+    parts), which a pending complex denominator cannot say."""
+    den = real(v).sqrt().div_(bc2_sqrt).add_(eps)
+    return Delta(torch.view_as_complex(real(m) / den), divisor=bc1)
+
+
+def _refuse_complex(params: Tree, idx: list, ps: list) -> None:
+    """``fused=True`` outside the step's own update: torch's fused kernel has no complex
+    form."""
+    paths = flatten(params)[0]
+    for i, p in zip(idx, ps):
+        if p.is_complex():
+            raise ValueError(
+                f"adamw(fused=True): parameter {path_str(paths[i])!r} is {p.dtype}, which "
+                "torch's fused Adam kernel does not take outside fs.train_step; use "
+                "fused=False here (inside fs.train_step the update steps it as real pairs).")
 
 
 def trace(momentum: float, *, dampening: float = 0.0,
