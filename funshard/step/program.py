@@ -196,7 +196,11 @@ class Program:
             numels = list(b.numels)
             if b.grad == b.dtype:  # gathered and reduced in one dtype
                 flat = packing.pack([local[i] for i in b.idx], numels, b.dtype, *self.place)
-                got = _compat.all_gather(flat, 0, self.shard_group)
+                if flat.is_complex():  # as its real pairs (no backend has a complex type)
+                    got = torch.view_as_complex(_compat.all_gather(
+                        torch.view_as_real(flat), 0, self.shard_group))
+                else:
+                    got = _compat.all_gather(flat, 0, self.shard_group)
             else:  # cast on the way, its gradient cast back before the reduce-scatter
                 flat = packing.pack([local[i] for i in b.idx], numels, b.master, *self.place)
                 got = DTensor.from_local(flat, self.shard_mesh, [Shard(0)], run_check=False
