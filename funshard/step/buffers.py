@@ -11,10 +11,11 @@ buffers take the result.
 Rules (``Policy(buffers=...)``), over all ranks of the mesh (every rank is data-parallel):
 
 - ``"mean"`` (default): floating (and complex) buffers become their mean over ranks;
-  others (BatchNorm's ``num_batches_tracked``) take rank 0's value. A running mean then equals the one a single
-  process would keep on the whole batch (the running average is linear in the batch mean;
-  with equal local batch sizes). A running *variance* is the mean of the ranks' variances,
-  which lacks the spread between ranks' means: exact parity needs SyncBatchNorm.
+  others (BatchNorm's ``num_batches_tracked``) take rank 0's value. A running mean then
+  equals the one a single process would keep on the whole batch (the running average is
+  linear in the batch mean; with equal local batch sizes). A running *variance* is the
+  mean of the ranks' variances, which lacks the spread between ranks' means: exact parity
+  needs SyncBatchNorm.
 - ``"broadcast"``: every rank takes rank 0's buffers (DDP's ``broadcast_buffers``).
 - ``"own"``: each rank keeps its own (FSDP's behaviour); no collective; replicas drift apart
   and a checkpoint keeps rank 0's.
