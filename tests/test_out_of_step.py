@@ -53,9 +53,16 @@ def test_a_collective_every_rank_failed_alike_is_not_a_lost_peer(pools):
 
 
 def a_checkpoint_collective_the_backend_refuses(spec):
-    """The same refusal inside a checkpoint call's collectives: what each rank raises."""
+    """The same refusal inside a checkpoint call's collectives, rank 1 reaching it 0.3 s
+    after rank 0, which then finds rank 1's post of the refusal before (a watch's) and must
+    wait for its post of this one: what each rank raises."""
+    import time
+
     from funshard.checkpoint import errors
 
+    a_collective_the_backend_refuses(spec)  # an earlier refusal's posts
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
     x, out = torch.zeros(4, dtype=torch.int16), torch.empty(8, dtype=torch.int16)
     try:
         with errors.peers("checkpoint.save('ckpt')", "checkpoint.save", dist.get_rank()):

@@ -176,16 +176,25 @@ def positions(where: str, wait: float = 1.5, store=None) -> dict[int, dict]:
     with contextlib.suppress(Exception):
         store.set(_key("stuck", me), json.dumps(mine))
     end = time.monotonic() + wait
-    while len(seen) < world and time.monotonic() < end:
+    # a rank whose post differs from this one's is read again until the wait ends: what it
+    # posted may be an earlier incident's, its post for this one still to come
+    while time.monotonic() < end:
         for r in range(world):
-            if r not in seen:
+            if r not in seen or not _alike(seen[r], mine):
                 got = None
                 with contextlib.suppress(Exception):
                     got = _posted(store, r, mine)
                 if got is not None:
                     seen[r] = got
+        if len(seen) == world and all(_alike(s, mine) for s in seen.values()):
+            break
         time.sleep(0.05)
     return seen
+
+
+def _alike(a: dict, b: dict) -> bool:
+    """Two posted positions at the same collective of the same call."""
+    return (a["seq"], a["what"], a["where"]) == (b["seq"], b["what"], b["where"])
 
 
 def all_failed_here(seen: dict[int, dict]) -> bool:
@@ -193,9 +202,7 @@ def all_failed_here(seen: dict[int, dict]) -> bool:
     place, :func:`positions`): no rank is gone and none is elsewhere, so the backend refused
     the collective itself."""
     mine = seen[dist.get_rank()]
-    return len(seen) == dist.get_world_size() and all(
-        (s["seq"], s["what"], s["where"]) == (mine["seq"], mine["what"], mine["where"])
-        for s in seen.values())
+    return len(seen) == dist.get_world_size() and all(_alike(s, mine) for s in seen.values())
 
 
 def differ(where: str, wait: float = 1.5, store=None,
