@@ -243,9 +243,13 @@ def leaves_of(prepared: Prepared, t: Traced, grads: list, state: Any, params: Tr
     # Adam steps a complex leaf as its real pairs (views), as torch.optim.Adam does: its second
     # moment is per part (a complex ``g * g`` would mix them); SGD's ops are the same either way
     # and torch's steps the complex tensors
-    as_ = real if t.kind == "adam" else (lambda x: x)
-    return tuple(tuple(tuple(as_(x) for x in (grads[i], p[i], *(m[i] for m in more)))
-                       for i in g) for g in prepared.groups)
+    pairs = t.kind == "adam"
+
+    def leaf(i: int) -> tuple:
+        got = (grads[i], p[i], *(m[i] for m in more))
+        return tuple(map(real, got)) if pairs and p[i].is_complex() else got
+
+    return tuple(tuple(leaf(i) for i in g) for g in prepared.groups)
 
 
 def adam_update(hyper: tuple, static: tuple, groups: tuple, scal: torch.Tensor,

@@ -145,9 +145,9 @@ def _complex_direction(m: torch.Tensor, v: torch.Tensor, bc2_sqrt: float, eps: f
 def _refuse_complex(params: Tree, idx: list, ps: list) -> None:
     """``fused=True`` outside the step's own update: torch's fused kernel has no complex
     form."""
-    paths = flatten(params)[0]
     for i, p in zip(idx, ps):
         if p.is_complex():
+            paths = flatten(params)[0]
             raise ValueError(
                 f"adamw(fused=True): parameter {path_str(paths[i])!r} is {p.dtype}, which "
                 "torch's fused Adam kernel does not take outside fs.train_step; use "
