@@ -35,6 +35,12 @@ def die_on_rank_1():
     dist.barrier()
 
 
+def abort_on_rank_1():
+    if dist.get_rank() == 1:
+        os.abort()  # as a backend's thread aborts: no Python exception, SIGABRT
+    dist.barrier()
+
+
 def exchange_on_rank_1_only():
     """Rank 1 starts a cross-memory exchange rank 0 never starts, and both return: the
     next call on these ranks would pair rank 0's first exchange with it."""
@@ -93,6 +99,14 @@ def test_a_hanging_rank_times_out(pool):
 def test_a_dying_rank_is_reported(pool):
     with pytest.raises(RankError, match="rank 1 died"):
         pool.run(die_on_rank_1)
+    assert pool.run(rank_and_sum)[0] == (0, 1.0)
+
+
+def test_a_crashing_rank_is_reported_with_where_it_crashed(pool):
+    with pytest.raises(RankError, match="rank 1 died") as err:
+        pool.run(abort_on_rank_1)
+    assert "exit code -6" in str(err.value) and "Fatal Python error: Aborted" in str(err.value)
+    assert "in abort_on_rank_1" in str(err.value)  # the crashing thread's Python stack
     assert pool.run(rank_and_sum)[0] == (0, 1.0)
 
 

@@ -49,7 +49,11 @@ class RankError(RuntimeError):
 # -- worker side -------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> None:
-    faulthandler.enable()  # a crashing rank prints where it crashed
+    # A rank that crashes (a signal, an abort in a backend's thread) writes every thread's
+    # Python stack to a file the parent reads into its report: its stderr may belong to a
+    # capture that ended long ago (a pytest test that started the pool).
+    crash = open(os.path.join(os.path.dirname(init_file), f"crash{rank}"), "w")
+    faulthandler.enable(file=crash, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     backend = "gloo"
@@ -225,7 +229,16 @@ class Pool:
     def _died(self, r: int) -> tuple:
         p = self._procs[r]
         p.join(1.0)  # its exit code, once the process is reaped
-        return ("died", f"rank {r} died (exit code {p.exitcode})")
+        return ("died", f"rank {r} died (exit code {p.exitcode}){self._crash_log(r)}")
+
+    def _crash_log(self, r: int) -> str:
+        """What rank ``r``'s fault handler wrote as it crashed (its start), or ''."""
+        try:
+            with open(os.path.join(self._dir or "", f"crash{r}")) as f:
+                text = f.read()
+        except OSError:
+            return ""
+        return f"; its threads as it crashed:\n{text[:8000]}" if text.strip() else ""
 
     def _collect(self, timeout: float) -> tuple[dict, float | None]:
         """Every rank's reply (kind, value, positions) that came by ``timeout``, or by
