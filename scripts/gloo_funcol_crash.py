@@ -8,7 +8,9 @@ the outputs, then backward and an all-reduce of the gradients. Measured 2026-11-
 torch 2.13.0+cpu on a 2-core machine: a rank died in a gloo thread (SIGSEGV or SIGABRT,
 "malloc(): unaligned tcache chunk detected") after 175 runs of 3 steps; with
 ``--wait-at-once`` (each result cloned as it comes, which waits on it, as torch's own test
-``ExpertParallel`` waits) none did in 800. Run from the repository root::
+``ExpertParallel`` waits) none did in 800; nor in 1,200 runs of the same exchanges made with
+``torch.distributed``'s own async ops (``async_op=True``, three in flight, each waited on
+at first use): the crash needs the functional collectives. Run from the repository root::
 
     python scripts/gloo_funcol_crash.py --runs 1000 [--wait-at-once]
 
