@@ -5,9 +5,10 @@ initialised on gloo; on the CPU they fork from a server that imported torch once
 many functions on them, so a test suite, or hypothesis with hundreds of examples, pays the
 start-up once per world size; :class:`Pools` holds one per world size, which a mesh spec
 picks per call (the pytest fixture ``funshard_pool``). A rank that raises fails the
-call with every rank's traceback within seconds; a rank that hangs fails it at ``timeout``
-and the pool restarts itself for the next call (when every rank raised, the workers are
-healthy and are kept). A call after which the ranks' cross-memory exchanges do not stand
+call with every rank's traceback within seconds; a rank that crashes (a signal, an abort in
+a C++ thread) fails it with the Python stacks its threads were in; a rank that hangs fails
+it at ``timeout`` and the pool restarts itself for the next call (when every rank raised,
+the workers are healthy and are kept). A call after which the ranks' cross-memory exchanges do not stand
 level (one rank started an exchange its peers never did) fails by name, and the pool
 restarts: else the next call would pair one rank's exchange with another's.
 
