@@ -8,9 +8,10 @@ picks per call (the pytest fixture ``funshard_pool``). A rank that raises fails 
 call with every rank's traceback within seconds; a rank that crashes (a signal, an abort in
 a C++ thread) fails it with the Python stacks its threads were in; a rank that hangs fails
 it at ``timeout`` and the pool restarts itself for the next call (when every rank raised,
-the workers are healthy and are kept). A call after which the ranks' cross-memory exchanges do not stand
-level (one rank started an exchange its peers never did) fails by name, and the pool
-restarts: else the next call would pair one rank's exchange with another's.
+the workers are healthy and are kept). A call after which the ranks' cross-memory
+exchanges do not stand level (one rank started an exchange its peers never did) fails by
+name, and the pool restarts: else the next call would pair one rank's exchange with
+another's.
 
     >>> with Pool(2) as pool:
     ...     pool.run(my_module.check_roundtrip, (7, 3))   # -> [result_rank0, result_rank1]
