@@ -186,7 +186,7 @@ def positions(where: str, wait: float = 1.5, store=None) -> dict[int, dict]:
                     got = _posted(store, r, mine)
                 if got is not None:
                     seen[r] = got
-        if len(seen) == world and all(_alike(s, mine) for s in seen.values()):
+        if all_failed_here(seen):
             break
         time.sleep(0.05)
     return seen

@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
     # A rank that crashes (a signal, an abort in a backend's thread) writes every thread's
     # Python stack to a file the parent reads into its report: its stderr may belong to a
     # capture that ended long ago (a pytest test that started the pool).
-    crash = open(os.path.join(os.path.dirname(init_file), f"crash{rank}"), "w")
+    crash = open(_crash_file(os.path.dirname(init_file), rank), "w")
     faulthandler.enable(file=crash, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -86,6 +86,11 @@ def _worker(rank: int, world: int, init_file: str, conn, pg_timeout: float) -> N
             data = pickle.dumps(("err", f"result of {fn!r} cannot be pickled: {e}"))
         conn.send_bytes(data)
     dist.destroy_process_group()
+
+
+def _crash_file(folder: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose files are in ``folder`` writes as it crashes."""
+    return os.path.join(folder, f"crash{rank}")
 
 
 # -- parent side -------------------------------------------------------------------------
@@ -235,8 +240,10 @@ class Pool:
 
     def _crash_log(self, r: int) -> str:
         """What rank ``r``'s fault handler wrote as it crashed (its start), or ''."""
+        if self._dir is None:
+            return ""
         try:
-            with open(os.path.join(self._dir or "", f"crash{r}")) as f:
+            with open(_crash_file(self._dir, r)) as f:
                 text = f.read()
         except OSError:
             return ""
