@@ -9,9 +9,9 @@ mode's training step over a copy.
     funshard_full_compile / fsdp2_full_compile   torch.compile on (not by default)
     funshard_full_compiled / _grad_op_compiled   fs.train_step(compile=True): the step as one
                                        compiled program (not by default); _cudagraphs:
-                                       with torch.compile's mode="reduce-overhead"; _sink:
-                                       each reduction waited a group later on the CPU
-                                       too (the GPU's order)
+                                       with torch.compile's mode="reduce-overhead"; _scatter:
+                                       the reductions of CPU tensors kept reduce-scatters
+                                       (the GPU's collectives)
     floor_compile                      the floor with ``model.compile()`` (not by default)
     funshard_hsdp                      the same on a (2, world/2) ("replicate", "shard") mesh
     fsdp2_full / fsdp2_grad_op / fsdp2_hsdp   fully_shard per block and the root, twins of ^
@@ -56,15 +56,15 @@ MODES = ("funshard_full", "funshard_grad_op", "funshard_hsdp",
          "funshard_full_compiled", "funshard_grad_op_compiled", "floor_compile",
          # the same with torch.compile(mode="reduce-overhead"): CUDA graphs (GPU)
          "funshard_full_compiled_cudagraphs",
-         # the reductions' waits a group later on the CPU too (funshard.step.overlap)
-         "funshard_full_compiled_sink")
+         # the reductions of CPU tensors kept reduce-scatters (funshard.step.overlap)
+         "funshard_full_compiled_scatter")
 TWIN = {"funshard_full": "fsdp2_full", "funshard_grad_op": "fsdp2_grad_op",
         "funshard_hsdp": "fsdp2_hsdp", "funshard_full_noprefetch": "fsdp2_full",
         "funshard_full_muon": "fsdp2_full", "funshard_full_ac": "fsdp2_full_ac",
         "funshard_full_compile": "fsdp2_full_compile", "funshard_full_cma": "fsdp2_full",
         "funshard_full_p2p": "fsdp2_full", "funshard_full_compiled": "fsdp2_full_compile",
         "funshard_grad_op_compiled": "fsdp2_full_compile",
-        "funshard_full_compiled_sink": "fsdp2_full_compile"}
+        "funshard_full_compiled_scatter": "fsdp2_full_compile"}
 # the transport each mode's fs.train_step uses: the backend's collectives unless named
 EXTRA_TRANSPORTS = {"funshard_full_cma": "cma", "funshard_full_p2p": "p2p"}
 
@@ -73,11 +73,11 @@ def compiled_options(name: str, cfg) -> dict | bool:
     """``train_step``'s ``compile=`` for a funshard mode: off, the backend, or CUDA graphs."""
     if name.endswith("_cudagraphs"):
         return {"mode": "reduce-overhead"}
-    if name.endswith("_sink"):
+    if name.endswith("_scatter"):
         from funshard.step.overlap import FxPass
 
         return {"backend": cfg.compile_backend,
-                "options": {"post_grad_custom_post_pass": FxPass(sink_on_cpu=True)}}
+                "options": {"post_grad_custom_post_pass": FxPass(scatter_on_cpu=True)}}
     return {"backend": cfg.compile_backend} if name.endswith("_compiled") else False
 
 
@@ -186,7 +186,7 @@ def build_mode(name: str, base: torch.nn.Module, cfg: Config, meshes: dict) -> R
     """One mode's training step over a private copy of ``base``."""
     scaled = cfg.precision == "fp16"  # each mode with its own GradScaler's rule
     if name.startswith("funshard"):
-        raf = not name.removesuffix("_cudagraphs").removesuffix("_sink").removesuffix(
+        raf = not name.removesuffix("_cudagraphs").removesuffix("_scatter").removesuffix(
             "_compiled").endswith(
             "grad_op")
         mesh = meshes["2d" if name.endswith("hsdp") else "1d"]

@@ -149,8 +149,8 @@ def test_compiled_step_trains_t5_as_its_eager_step(pools):
 
 
 def world_of_one(spec, forced):
-    with force_collectives(forced):  # (and the reductions in the GPU's order)
-        return compiled_collectives(spec, True, sink=forced)
+    with force_collectives(forced):  # (and the reductions the GPU's collectives)
+        return compiled_collectives(spec, True, scatter=forced)
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["alone", "forced"])

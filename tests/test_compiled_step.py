@@ -127,9 +127,11 @@ def test_compiled_step_in_bfloat16_matches_the_eager_step(pools):
         assert _max_diff(cp, ep) <= 2e-3, (rank, _max_diff(cp, ep))
 
 
-# a collective's issue: its result's name and its kind (an all-gather in place: into out=)
+# a collective's issue: its result's name and its kind (an all-gather in place: into out=;
+# an all-reduce in place: all_reduce_, on its first argument)
 _ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
 _ISSUE_OUT = re.compile(r"^\s*torch\.ops\._c10d_functional\.(\w+)_out\.default\(.*out=(\w+)\)")
+_ISSUE_IN = re.compile(r"^\s*torch\.ops\._c10d_functional\.(\w+_)\.default\((\w+),")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
 _KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|\.run\(")  # (C++ and Triton kernels)
 
@@ -138,7 +140,7 @@ def _issue(line: str) -> tuple[str, str] | None:
     m = _ISSUE.match(line)
     if m and m[2] != "wait_tensor":
         return m[1], m[2]
-    m = _ISSUE_OUT.match(line)
+    m = _ISSUE_OUT.match(line) or _ISSUE_IN.match(line)
     return (m[2], m[1]) if m else None
 
 
@@ -160,10 +162,10 @@ def windows(code: str) -> list[tuple[str, int]]:
     return out
 
 
-def compiled_collectives(spec, raf, steps=4, sink=False):
+def compiled_collectives(spec, raf, steps=4, scatter=False):
     """Inductor's program for the GPT: its collectives, graphs and recompiles, and per
-    collective the kernels between its issue and its wait. ``sink``: the reductions'
-    waits moved on the CPU too, as on a GPU."""
+    collective the kernels between its issue and its wait. ``scatter``: the reductions
+    kept reduce-scatters on the CPU too, as on a GPU."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
@@ -173,8 +175,8 @@ def compiled_collectives(spec, raf, steps=4, sink=False):
     counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _gpt()
-    compile = ({"options": {"post_grad_custom_post_pass": FxPass(sink_on_cpu=True)}}
-               if sink else True)
+    compile = ({"options": {"post_grad_custom_post_pass": FxPass(scatter_on_cpu=True)}}
+               if scatter else True)
     step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile,
                          policy=fs.Policy(reshard_after_forward=raf))
     state = step.init(fs.shard(fs.params(model), mesh(spec)))
@@ -198,27 +200,30 @@ def compiled_collectives(spec, raf, steps=4, sink=False):
             windows(codes[0]) if codes else [])
 
 
-@pytest.mark.parametrize("raf,sink", [(True, True), (False, True), (True, False)],
-                         ids=["full_shard", "shard_grad_op", "full_shard-cpu_order"])
-def test_each_group_is_one_gather_and_one_reduce_scatter_in_inductors_program(pools, raf,
-                                                                              sink):
+@pytest.mark.parametrize("raf,scatter", [(True, False), (False, False), (True, True)],
+                         ids=["full_shard", "shard_grad_op", "full_shard-gpu_collectives"])
+def test_each_group_is_one_gather_and_one_reduction_in_inductors_program(pools, raf,
+                                                                         scatter):
     """Counted in inductor's program, and overlapped with compute: in forward each block's
-    gather is issued while the block before it computes, in backward (in the GPU's order)
-    each reduce-scatter is waited on after the next group's backward computes; in the
-    CPU's own order, where it is issued."""
+    gather is issued while the block before it computes, in backward each reduction is
+    waited on after the next group's backward computes. On the CPU each reduction is an
+    all-reduce in place (what gloo's reduce-scatter is, without its copy of the input);
+    with the GPU's collectives, a reduce-scatter."""
     for counts, graphs, groups, programs, runs in pools.run(2, compiled_collectives, raf, 4,
-                                                            sink, timeout=900):
+                                                            scatter, timeout=900):
         blocks = groups - 1  # the rest (embeddings, final norm, tied head): kept gathered
         assert programs == 2 and graphs == [2, 2, 2, 2], (programs, graphs)
         gathers = 1 + (2 * blocks if raf else blocks)  # recomputed in backward: FULL_SHARD
         assert counts.get("all_gather_into_tensor") == gathers, counts
-        assert counts.get("reduce_scatter_tensor") == groups, counts
+        reduction = "reduce_scatter_tensor" if scatter else "all_reduce_"
+        assert counts.get(reduction) == groups, counts
+        assert set(counts) <= {"all_gather_into_tensor", "in_place", reduction}, counts
         # each gathered in place, into the buffer its pack filled (where torch can)
         assert counts.get("in_place", 0) == (gathers if _compat.GATHER_OUT else 0), counts
         ahead = sum(n > 0 for k, n in runs if k == "all_gather_into_tensor")
         assert ahead >= blocks - 1, runs
-        later = sum(n > 0 for k, n in runs if k == "reduce_scatter_tensor")
-        assert later >= groups - 2 if sink else later == 0, runs
+        later = sum(n > 0 for k, n in runs if k == reduction)
+        assert later >= groups - 2, runs
 
 
 def _llama():

@@ -1,6 +1,7 @@
 """The compiled step's collectives overlapped with its compute: a pass over inductor's
 post-grad graph that issues each forward all-gather a group earlier, waits on each
-reduction a group later (on a GPU), and gathers in place.
+reduction a group later, reduces CPU tensors by an all-reduce in place, and gathers in
+place.
 
 [Note: overlap by program order] Traced, the step's program issues each group's all-gather
 where the group's module begins and waits on it at once (its first use follows), and waits
@@ -11,19 +12,28 @@ does. This pass, over the graph inductor lowers (``post_grad_custom_post_pass``)
   the previous all-gather's wait: it runs while the previous group computes, and its own
   wait stays where its group first uses it, so at most two groups are gathered at a time,
   as the eager step and FSDP2 prefetch one group ahead.
-- **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result and
-  the mean's division, to just before the next gradient buffer is laid out
-  (:func:`funshard.step.packing.lay`) or its first use, whichever comes first: the
-  reduction runs while the next group's backward computes, and at most one is in flight.
-  On a GPU only, where NCCL runs it on its own stream. On the CPU, gloo runs it on the
-  cores the compute runs on and holds temporaries the size of its buffer while in flight,
-  beside the next group's gather and that gather's own: moved, the waits cost shape B
-  67 MiB of in-step peak (323 MiB against 256; the eager step's: 275), for step times
-  within this machine's noise of each other
-  (``benchmarks/results/2026-11-27-cpu-reductions.md``). So on the CPU each
-  reduction is waited on where it is issued, as the eager step finishes it before the next
-  group's first use; ``FxPass(sink_on_cpu=True)`` moves them there too (the tests check
-  the GPU's order on the CPU with it).
+- **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result, the
+  mean's division and the copy of this rank's part, to just before the next gradient
+  buffer is laid out (:func:`funshard.step.packing.lay`) or its first use, whichever comes
+  first: the reduction runs while the next group's backward computes (its gather again
+  included), and at most one is in flight. NCCL runs it on its own stream; gloo on its
+  own threads.
+
+[Note: reductions on the CPU] gloo's reduce-scatter is an all-reduce of a copy of its
+input, then a copy of this rank's part. With a reduction in flight for a group, that copy
+of the whole gradient buffer lived beside the next group's gather and its own temporary:
+moved a group later, the waits cost shape B 67 MiB of in-step peak (323 MiB against 256),
+so the CPU's program used to wait on each reduction where it issued it. Now each
+reduce-scatter of CPU tensors is rewritten as an all-reduce of the gradient buffer itself
+(inductor makes it ``all_reduce_``, in place: the buffer is used by nothing else) and a
+copy of this rank's part, fused with the mean's division: the same sums, bit for bit (the
+same gloo all-reduce over the same buffer), one copy of the buffer fewer, and the waits
+move as on a GPU. Measured side by side, 2 gloo ranks, against the eager step in the same
+run (``benchmarks/results/2026-11-29-cpu-reductions-in-place.md``): shape B 0.888x its time
+and 0.976x its memory, where the reduce-scatters, each waited at once, read 0.97-1.13x
+across runs; A 0.940x (1.004x memory); C 0.975x (1.014x). The GPU keeps its reduce-scatters
+(NCCL's moves half an all-reduce's bytes): ``FxPass(scatter_on_cpu=True)`` keeps them on
+the CPU too, as the tests check the GPU's program there.
 
 Then each all-gather of a pack gathers **in place**, as the eager step's c10d transport
 does: the shards are packed into this rank's segment of the gathered buffer
@@ -35,21 +45,18 @@ the gathers keep their input: :data:`funshard._compat.GATHER_OUT`.)
 The gathers of backward (a group gathered again under FULL_SHARD) stay where they are.
 Moved too, they were measured to cost one group's buffer more at backward's peak (shape B:
 415 MiB in the step against 384; A: +25 MiB): the next group's gather then lives beside the
-reduction in flight and the group computing. Inductor chains the collectives in the order
-of this graph (each issued after the waits before it), so the order set here is the order
-every rank issues them in. Its scheduler's reordering for peak memory
-(``reorder_for_peak_memory``) would move each gather back next to its use and each
+reduction in flight and the group computing; issued beside the reduction before them
+instead, B's memory was 1.125x the eager step's, for no time gained. Inductor chains the
+collectives in the order of this graph (each issued after the waits before it), so the
+order set here is the order every rank issues them in. Its scheduler's reordering for peak
+memory (``reorder_for_peak_memory``) would move each gather back next to its use and each
 reduction's wait next to its issue, so the program is compiled with it off (beneath the
 caller's options: ``compile={"options": {"reorder_for_peak_memory": True}}`` gives back
 inductor's memory-first order).
 
-Measured on the CPU (2 gloo ranks, shapes A, B, C of ``benchmarks.compiled_step``,
-``benchmarks/results/2026-11-27-cpu-overlap.md``): step times within this machine's noise
-(two ranks share two cores, so a collective in flight competes with the compute it would
-overlap). Inductor's own passes that move collectives (``reorder_for_compute_comm_overlap``)
-were measured before (``2026-11-26-cpu-compiled-step.md``): they issued every forward
-gather at the program's start and hoisted recomputed gathers into forward, undoing the
-memory bound.
+Inductor's own passes that move collectives (``reorder_for_compute_comm_overlap``) were
+measured before (``2026-11-26-cpu-compiled-step.md``): they issued every forward gather at
+the program's start and hoisted recomputed gathers into forward, undoing the memory bound.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ GATHER = _C10D.get("all_gather_into_tensor")
 REDUCTIONS = (_C10D.get("reduce_scatter_tensor"), _C10D.get("all_reduce"))
 WAIT = _C10D.get("wait_tensor")
 DIVIDE = (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar)  # the mean (packing.pack)
+# what a reduction's wait carries along when moved: the mean, this rank's part's copy
+CARRIED = (*DIVIDE, torch.ops.aten.clone.default)
 LAY = packing.LAY
 COLLECTIVES = (GATHER, WAIT, *REDUCTIONS)
 
@@ -121,15 +130,15 @@ def raise_gathers(items: list) -> int:
     return moved
 
 
-def sink_waits(items: list, on_cpu: bool = False) -> int:
-    """Each reduction's wait, with the views of its result and the mean's division, moved
-    to just before the next gradient buffer's layout or the first other node that reads its
-    result, whichever comes first (never past the output); a reduction of CPU tensors only
-    if ``on_cpu``; returns how many moved."""
+def sink_waits(items: list) -> int:
+    """Each reduction's wait, with the views of its result, the mean's division and the
+    copy of this rank's part, moved to just before the next gradient buffer's layout or
+    the first other node that reads its result, whichever comes first (never past the
+    output); returns how many moved."""
     moved = 0
     for red in [x for x in items if x.target in REDUCTIONS]:
         wait = _wait_of(red)
-        if wait is not None and (on_cpu or _device(red) != "cpu"):
+        if wait is not None:
             moved += _sink(items, items.index(wait))
     return moved
 
@@ -149,7 +158,7 @@ def _sink(items: list, at: int) -> int:
             break
         if not any(i in reads for i in x.all_input_nodes):
             passed.append(x)
-        elif getattr(x.target, "is_view", False) or x.target in DIVIDE:  # (moved with it)
+        elif getattr(x.target, "is_view", False) or x.target in CARRIED:  # (moved with it)
             views.append(x)
             reads.add(x)
         else:
@@ -191,12 +200,53 @@ def gather_in_place(graph: fx.Graph) -> int:
     return done
 
 
-def fx_pass(graph: fx.Graph, sink_on_cpu: bool = False) -> None:
+def _ranks(graph: fx.Graph) -> dict:
+    """This rank's place in each process group a pack's all-gather runs on (by name)."""
+    out = {}
+    for ag in graph.nodes:
+        if ag.target is GATHER and getattr(ag.args[0], "target", None) is packing.PACK:
+            out[ag.args[2]] = ag.args[0].args[4]
+    return out
+
+
+def reduce_by_all_reduce(graph: fx.Graph) -> int:
+    """Each reduce-scatter of CPU tensors made an all-reduce of its input, in place, and
+    a copy of this rank's part: what gloo's reduce-scatter does, without its copy of the
+    whole input ([Note: reductions on the CPU]); returns how many."""
+    ranks, done = _ranks(graph), 0
+    for red in [x for x in graph.nodes if x.target is REDUCTIONS[0]]:
+        inp, op, world, name = red.args
+        wait = _wait_of(red)
+        if wait is None or name not in ranks or _device(red) != "cpu":
+            continue
+        n, r, val = red.meta["val"].numel(), ranks[name], inp.meta["val"]
+        with graph.inserting_before(red):
+            ar = graph.call_function(REDUCTIONS[1], (inp, op, name))
+        ar.meta["val"] = val
+        wait.replace_input_with(red, ar)
+        wait.meta["val"] = val
+        with graph.inserting_after(wait):
+            part = graph.call_function(torch.ops.aten.slice.Tensor, (wait, 0, r * n,
+                                                                      (r + 1) * n))
+        with graph.inserting_after(part):
+            mine = graph.call_function(torch.ops.aten.clone.default, (part,))
+        part.meta["val"] = val.narrow(0, r * n, n)
+        mine.meta["val"] = red.meta["val"]
+        wait.replace_all_uses_with(mine, delete_user_cb=lambda u: u is not part)
+        graph.erase_node(red)
+        done += 1
+    return done
+
+
+def fx_pass(graph: fx.Graph, scatter_on_cpu: bool = False) -> None:
     """The pass over the post-grad graph: the order inductor lowers, and in which it
-    chains the collectives (each issued after the waits before it)."""
+    chains the collectives (each issued after the waits before it). ``scatter_on_cpu``:
+    reduce-scatters of CPU tensors kept as they are (the GPU's collectives)."""
+    if not scatter_on_cpu:
+        reduce_by_all_reduce(graph)
     items = list(graph.nodes)
     raise_gathers(items)
-    sink_waits(items, sink_on_cpu)
+    sink_waits(items)
     at = None
     for n in items:
         if at is not None and n.prev is not at:
@@ -208,19 +258,19 @@ def fx_pass(graph: fx.Graph, sink_on_cpu: bool = False) -> None:
 
 class FxPass(_compat.CustomGraphPass or object):
     """:func:`fx_pass` as inductor's custom post-grad pass (its cache key: this file and
-    ``sink_on_cpu``)."""
+    ``scatter_on_cpu``)."""
 
-    def __init__(self, sink_on_cpu: bool = False):
-        self.sink_on_cpu = sink_on_cpu
+    def __init__(self, scatter_on_cpu: bool = False):
+        self.scatter_on_cpu = scatter_on_cpu
 
     def __call__(self, graph: fx.Graph) -> None:
-        fx_pass(graph, self.sink_on_cpu)
+        fx_pass(graph, self.scatter_on_cpu)
 
     def uuid(self) -> str:
         import hashlib
         from pathlib import Path
 
-        key = Path(__file__).read_bytes() + bytes([self.sink_on_cpu])
+        key = Path(__file__).read_bytes() + bytes([self.scatter_on_cpu])
         return hashlib.sha256(key).hexdigest()
 
 
