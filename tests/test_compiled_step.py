@@ -2,10 +2,11 @@
 compiled program. On 1, 2 and 2x2 gloo ranks it trains as the eager step and as one process
 on the whole batch (AdamW, global-norm clip, tied and frozen leaves), in one graph with no
 graph break and no recompile; under FULL_SHARD each group module's gather is recomputed in
-backward (2 all-gathers and 1 reduce-scatter per group, counted in inductor's program); a
+backward (2 all-gathers and 1 reduction per group, counted in inductor's program); a
 ``loss_fn`` dynamo cannot trace is refused by name with the state intact, or runs eagerly
 when the caller asked for that. Numbers tests compile with ``aot_eager`` (AOTAutograd's
-graphs run op by op: seconds); the collective counts come from inductor's program."""
+graphs run op by op: seconds); the collective counts come from inductor's program, and so
+do the CPU's reductions' numbers against the GPU's."""
 
 import gc
 import re
@@ -224,6 +225,46 @@ def test_each_group_is_one_gather_and_one_reduction_in_inductors_program(pools, 
         assert ahead >= blocks - 1, runs
         later = sum(n > 0 for k, n in runs if k == reduction)
         assert later >= groups - 2, runs
+
+
+def inductor_programs(spec, steps=3):
+    """The GPT trained by the eager step and by inductor's program, with the CPU's
+    reductions (all-reduces in place) and with the GPU's (reduce-scatters): losses and
+    full parameters of each."""
+    from funshard.step.overlap import FxPass
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(steps, world)
+    per = batches[0][0].shape[0] // world
+    gpu = {"options": {"post_grad_custom_post_pass": FxPass(scatter_on_cpu=True)}}
+    out = {}
+    for name, compile in (("eager", False), ("cpu", True), ("gpu", gpu)):
+        torch._dynamo.reset()
+        model = _gpt()
+        step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile)
+        state = step.init(fs.shard(fs.params(model), mesh(spec)))
+        losses = []
+        for x, y in batches:
+            state, metrics = step(state, (x[rank * per:(rank + 1) * per],
+                                          y[rank * per:(rank + 1) * per]))
+            losses.append(float(metrics["loss"]))
+        out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+    torch._dynamo.reset()
+    gc.collect()
+    return out
+
+
+@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
+def test_the_cpus_reductions_sum_as_the_gpus_bit_for_bit(pools, spec):
+    """Inductor's program with each reduce-scatter made an all-reduce in place and a copy
+    of this rank's part trains bit for bit as the program with the reduce-scatters, and as
+    the eager step (on a 2-D mesh too: this rank's part is its place on "shard")."""
+    for rank, out in enumerate(pools.run(spec, inductor_programs, timeout=900)):
+        (el, ep), (cl, cp), (gl, gp) = out["eager"], out["cpu"], out["gpu"]
+        assert cl == gl, (rank, cl, gl)
+        assert all(torch.equal(cp[k], gp[k]) for k in gp), (rank, _max_diff(cp, gp))
+        assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
+        assert _max_diff(cp, ep) <= 1e-5, (rank, _max_diff(cp, ep))
 
 
 def _llama():

@@ -215,11 +215,12 @@ def reduce_by_all_reduce(graph: fx.Graph) -> int:
     whole input ([Note: reductions on the CPU]); returns how many."""
     ranks, done = _ranks(graph), 0
     for red in [x for x in graph.nodes if x.target is REDUCTIONS[0]]:
-        inp, op, world, name = red.args
+        inp, op, _, name = red.args
         wait = _wait_of(red)
-        if wait is None or name not in ranks or _device(red) != "cpu":
-            continue
-        n, r, val = red.meta["val"].numel(), ranks[name], inp.meta["val"]
+        n = red.meta["val"].numel()
+        if wait is None or name not in ranks or _device(red) != "cpu" or type(n) is not int:
+            continue  # (no wait, no pack on its group, a GPU's, a symbolic size: kept)
+        r, val = ranks[name], inp.meta["val"]
         with graph.inserting_before(red):
             ar = graph.call_function(REDUCTIONS[1], (inp, op, name))
         ar.meta["val"] = val
