@@ -227,44 +227,60 @@ def test_each_group_is_one_gather_and_one_reduction_in_inductors_program(pools, 
         assert later >= groups - 2, runs
 
 
-def inductor_programs(spec, steps=3):
+def inductor_programs(spec, mixed, steps=3):
     """The GPT trained by the eager step and by inductor's program, with the CPU's
     reductions (all-reduces in place) and with the GPU's (reduce-scatters): losses and
-    full parameters of each."""
+    full parameters of each, and the kinds of collective in the CPU's program. ``mixed``:
+    gathered in bfloat16, reduced in float32."""
+    from torch._inductor.utils import run_and_get_code
+
     from funshard.step.overlap import FxPass
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches(steps, world)
     per = batches[0][0].shape[0] // world
+    policy = (fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed
+              else fs.Policy())
     gpu = {"options": {"post_grad_custom_post_pass": FxPass(scatter_on_cpu=True)}}
-    out = {}
+    out, kinds = {}, set()
     for name, compile in (("eager", False), ("cpu", True), ("gpu", gpu)):
         torch._dynamo.reset()
         model = _gpt()
-        step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile)
+        step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile, policy=policy)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         losses = []
-        for x, y in batches:
-            state, metrics = step(state, (x[rank * per:(rank + 1) * per],
-                                          y[rank * per:(rank + 1) * per]))
+        for i, (x, y) in enumerate(batches):
+            mine = (x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+            if name == "cpu" and i == 0:
+                (state, metrics), codes = run_and_get_code(step, state, mine)
+                kinds = {m[1] for m in map(_issue, codes[0].splitlines()) if m}
+            else:
+                state, metrics = step(state, mine)
             losses.append(float(metrics["loss"]))
         out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
     torch._dynamo.reset()
     gc.collect()
-    return out
+    return out, kinds
 
 
-@pytest.mark.parametrize("spec", [2, "2x2"], ids=str)
-def test_the_cpus_reductions_sum_as_the_gpus_bit_for_bit(pools, spec):
+@pytest.mark.parametrize("spec,mixed", [(2, False), ("2x2", False), (2, True)],
+                         ids=["2", "2x2", "2-bfloat16_float32"])
+def test_the_cpus_reductions_sum_as_the_gpus_bit_for_bit(pools, spec, mixed):
     """Inductor's program with each reduce-scatter made an all-reduce in place and a copy
     of this rank's part trains bit for bit as the program with the reduce-scatters, and as
-    the eager step (on a 2-D mesh too: this rank's part is its place on "shard")."""
-    for rank, out in enumerate(pools.run(spec, inductor_programs, timeout=900)):
+    the eager step (on a 2-D mesh too: this rank's part is its place on "shard"; and
+    gathered in bfloat16, reduced in float32)."""
+    for rank, (out, kinds) in enumerate(pools.run(spec, inductor_programs, mixed,
+                                                  timeout=900)):
         (el, ep), (cl, cp), (gl, gp) = out["eager"], out["cpu"], out["gpu"]
+        assert "all_reduce_" in kinds and "reduce_scatter_tensor" not in kinds, kinds
         assert cl == gl, (rank, cl, gl)
         assert all(torch.equal(cp[k], gp[k]) for k in gp), (rank, _max_diff(cp, gp))
-        assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
-        assert _max_diff(cp, ep) <= 1e-5, (rank, _max_diff(cp, ep))
+        # bfloat16: inductor's kernels round apart from eager ops, and AdamW moves a leaf
+        # with a gradient near zero by up to its learning rate a step whatever the rounding
+        tol = (2e-2, 2 * LR * len(cl)) if mixed else (1e-5, 1e-5)
+        assert max(abs(a - b) for a, b in zip(cl, el)) <= tol[0], (rank, cl, el)
+        assert _max_diff(cp, ep) <= tol[1], (rank, _max_diff(cp, ep))
 
 
 def _llama():

@@ -200,12 +200,27 @@ def gather_in_place(graph: fx.Graph) -> int:
     return done
 
 
+def _pack_of(node: fx.Node) -> fx.Node | None:
+    """The pack an all-gather's input comes from (through a cast, a view), or None."""
+    todo, seen = [node], {node}
+    while todo:
+        for x in todo.pop().all_input_nodes:
+            if x.target is packing.PACK:
+                return x
+            if x not in seen and x.op != "placeholder":
+                seen.add(x)
+                todo.append(x)
+    return None
+
+
 def _ranks(graph: fx.Graph) -> dict:
     """This rank's place in each process group a pack's all-gather runs on (by name)."""
     out = {}
     for ag in graph.nodes:
-        if ag.target is GATHER and getattr(ag.args[0], "target", None) is packing.PACK:
-            out[ag.args[2]] = ag.args[0].args[4]
+        if ag.target is GATHER and ag.args[2] not in out:
+            pack = _pack_of(ag)
+            if pack is not None:
+                out[ag.args[2]] = pack.args[4]
     return out
 
 
