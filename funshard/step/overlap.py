@@ -232,7 +232,7 @@ def reduce_by_all_reduce(graph: fx.Graph) -> int:
     for red in [x for x in graph.nodes if x.target is REDUCTIONS[0]]:
         inp, op, _, name = red.args
         wait = _wait_of(red)
-        n = red.meta["val"].numel()
+        n = red.meta["val"].shape[0]  # this rank's rows (a complex leaf's: real pairs)
         if wait is None or name not in ranks or _device(red) != "cpu" or type(n) is not int:
             continue  # (no wait, no pack on its group, a GPU's, a symbolic size: kept)
         r, val = ranks[name], inp.meta["val"]
