@@ -94,15 +94,20 @@ def _ancestors(node: fx.Node, after: set) -> set:
     return out
 
 
-def _shards(node: fx.Node) -> frozenset:
-    """The graph inputs a gather reads through what packs them (its group's shards)."""
-    out, todo, seen = set(), [node], {node}
+def _upstream(node: fx.Node):
+    """``node``'s inputs, transitively, each once, nearest first."""
+    todo, seen = [node], {node}
     while todo:
-        for x in todo.pop().all_input_nodes:
+        for x in todo.pop(0).all_input_nodes:
             if x not in seen:
                 seen.add(x)
-                (out.add(x) if x.op == "placeholder" else todo.append(x))
-    return frozenset(out)
+                todo.append(x)
+                yield x
+
+
+def _shards(node: fx.Node) -> frozenset:
+    """The graph inputs a gather reads through what packs them (its group's shards)."""
+    return frozenset(x for x in _upstream(node) if x.op == "placeholder")
 
 
 def raise_gathers(items: list) -> int:
@@ -202,15 +207,7 @@ def gather_in_place(graph: fx.Graph) -> int:
 
 def _pack_of(node: fx.Node) -> fx.Node | None:
     """The pack an all-gather's input comes from (through a cast, a view), or None."""
-    todo, seen = [node], {node}
-    while todo:
-        for x in todo.pop().all_input_nodes:
-            if x.target is packing.PACK:
-                return x
-            if x not in seen and x.op != "placeholder":
-                seen.add(x)
-                todo.append(x)
-    return None
+    return next((x for x in _upstream(node) if x.target is packing.PACK), None)
 
 
 def _ranks(graph: fx.Graph) -> dict:
