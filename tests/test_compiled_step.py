@@ -236,28 +236,20 @@ def inductor_programs(spec, mixed, steps=3):
 
     from funshard.step.overlap import FxPass
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = _batches(steps, world)
-    per = batches[0][0].shape[0] // world
+    batches = _batches(steps, dist.get_world_size())
     policy = (fs.Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed
               else fs.Policy())
     gpu = {"options": {"post_grad_custom_post_pass": FxPass(scatter_on_cpu=True)}}
     out, kinds = {}, set()
     for name, compile in (("eager", False), ("cpu", True), ("gpu", gpu)):
         torch._dynamo.reset()
-        model = _gpt()
-        step = fs.train_step(_loss(model), fs.optim.adamw(LR), compile=compile, policy=policy)
-        state = step.init(fs.shard(fs.params(model), mesh(spec)))
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            mine = (x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-            if name == "cpu" and i == 0:
-                (state, metrics), codes = run_and_get_code(step, state, mine)
-                kinds = {m[1] for m in map(_issue, codes[0].splitlines()) if m}
-            else:
-                state, metrics = step(state, mine)
-            losses.append(float(metrics["loss"]))
-        out[name] = losses, {k: v.detach().clone() for k, v in fs.unshard(state.params).items()}
+        if name == "cpu":  # (its step's program: the first inductor compiles)
+            (losses, full), codes = run_and_get_code(_train, spec, _gpt(), policy, compile,
+                                                     batches)
+            kinds = {m[1] for m in map(_issue, codes[0].splitlines()) if m}
+        else:
+            losses, full = _train(spec, _gpt(), policy, compile, batches)
+        out[name] = [float(x) for x in losses], full
     torch._dynamo.reset()
     gc.collect()
     return out, kinds
