@@ -1,17 +1,18 @@
 """The compiled step's collectives overlapped with its compute: a pass over inductor's
-post-grad graph that issues each forward all-gather a group earlier, waits on each
-reduction a group later, reduces CPU tensors by an all-reduce in place, and gathers in
-place.
+post-grad graph that issues each all-gather a group earlier, waits on each reduction a
+group later, reduces CPU tensors by an all-reduce in place, and gathers in place.
 
 [Note: overlap by program order] Traced, the step's program issues each group's all-gather
 where the group's module begins and waits on it at once (its first use follows), and waits
 on each group's reduce-scatter as soon as it is issued: no collective runs while compute
 does. This pass, over the graph inductor lowers (``post_grad_custom_post_pass``), moves:
 
-- **each all-gather of forward** (with what packs its input from the shards) to just after
-  the previous all-gather's wait: it runs while the previous group computes, and its own
-  wait stays where its group first uses it, so at most two groups are gathered at a time,
-  as the eager step and FSDP2 prefetch one group ahead.
+- **each all-gather** (with what packs its input from the shards) to just after the
+  previous all-gather's wait: it runs while the previous group computes, and its own wait
+  stays where its group first uses it, so at most two groups are gathered at a time, as
+  the eager step and FSDP2 prefetch one group ahead. So in backward (FULL_SHARD: each
+  group gathered again) too, but for its first gather, which stays in backward: moved, it
+  would be issued in forward, the last group gathered twice over the loss.
 - **each reduction's wait** (reduce-scatter; all-reduce), with the views of its result, the
   mean's division and the copy of this rank's part, to just before the next gradient
   buffer is laid out (:func:`funshard.step.packing.lay`) or its first use, whichever comes
@@ -42,11 +43,16 @@ does: the shards are packed into this rank's segment of the gathered buffer
 buffer is made and held while the gather is in flight. (Where torch lacks that operator,
 the gathers keep their input: :data:`funshard._compat.GATHER_OUT`.)
 
-The gathers of backward (a group gathered again under FULL_SHARD) stay where they are.
-Moved too, they were measured to cost one group's buffer more at backward's peak (shape B:
-415 MiB in the step against 384; A: +25 MiB): the next group's gather then lives beside the
-reduction in flight and the group computing; issued beside the reduction before them
-instead, B's memory was 1.125x the eager step's, for no time gained. Inductor chains the
+Backward's gathers were left where they were while gloo's reduce-scatter copied its input:
+moved, they cost shape B 415 MiB in the step against 384, the copy in flight beside the
+next group's gather. With the reductions in place ([Note: reductions on the CPU]), moved
+and kept in place were measured side by side in two runs, 2 gloo ranks
+(``benchmarks/results/2026-11-29-cpu-backward-prefetch.md``): B 0.910x and 0.866x the
+eager step against 0.978x and 0.983x; A and C within this machine's noise either way
+(A 0.820x / 0.878x against 0.908x / 0.798x, C 0.979x / 0.999x against 1.017x / 0.981x);
+memory 1.05x the eager step's on A and B against 1.00x (one group more, within the 10%
+bound). Kept: a gain where the step is its collectives, and FSDP2's order (it prefetches
+in backward too). Inductor chains the
 collectives in the order of this graph (each issued after the waits before it), so the
 order set here is the order every rank issues them in. Its scheduler's reordering for peak
 memory (``reorder_for_peak_memory``) would move each gather back next to its use and each
@@ -111,15 +117,16 @@ def _shards(node: fx.Node) -> frozenset:
 
 
 def raise_gathers(items: list) -> int:
-    """Each all-gather of forward (with what packs its input) moved to just after the
-    previous one's wait, until the first of a group gathered again; returns how many."""
-    moved, gathered, prev = 0, set(), None
+    """Each all-gather (with what packs its input) moved to just after the previous one's
+    wait, but backward's first (a group gathered again), which stays in backward; returns
+    how many."""
+    moved, gathered, prev, again = 0, set(), None, False
     for ag in [x for x in items if x.target is GATHER]:
         key = _shards(ag)
-        if key in gathered:  # backward's first gather again: the rest stay too
-            break
+        first = key in gathered and not again  # backward's first gather
+        again = again or first
         gathered.add(key)
-        target, prev = prev, _wait_of(ag)
+        target, prev = (None if first else prev), _wait_of(ag)
         if target is None or prev is None:
             continue
         t, at = items.index(target), items.index(ag)
