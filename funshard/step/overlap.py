@@ -46,19 +46,20 @@ the gathers keep their input: :data:`funshard._compat.GATHER_OUT`.)
 Backward's gathers were left where they were while gloo's reduce-scatter copied its input:
 moved, they cost shape B 415 MiB in the step against 384, the copy in flight beside the
 next group's gather. With the reductions in place ([Note: reductions on the CPU]), moved
-and kept in place were measured side by side in two runs, 2 gloo ranks
-(``benchmarks/results/2026-11-29-cpu-backward-prefetch.md``): B 0.910x and 0.866x the
-eager step against 0.978x and 0.983x; A and C within this machine's noise either way
-(A 0.820x / 0.878x against 0.908x / 0.798x, C 0.979x / 0.999x against 1.017x / 0.981x);
-memory 1.05x the eager step's on A and B against 1.00x (one group more, within the 10%
-bound). Kept: a gain where the step is its collectives, and FSDP2's order (it prefetches
-in backward too). Inductor chains the
-collectives in the order of this graph (each issued after the waits before it), so the
-order set here is the order every rank issues them in. Its scheduler's reordering for peak
-memory (``reorder_for_peak_memory``) would move each gather back next to its use and each
-reduction's wait next to its issue, so the program is compiled with it off (beneath the
-caller's options: ``compile={"options": {"reorder_for_peak_memory": True}}`` gives back
-inductor's memory-first order).
+and kept in place were measured side by side, 2 gloo ranks
+(``benchmarks/results/2026-11-29-cpu-backward-prefetch.md``): B 0.866x the eager step
+against 0.983x; A and C within this machine's noise either way (A 0.878x against 0.798x,
+C 0.999x against 0.981x); memory 1.05x the eager step's on A and B against 1.00x (one group
+more, within the 10% bound). An earlier run that moved backward's first gather too (into
+forward) read B 0.910x against 0.978x, A 0.820x against 0.908x, C 0.979x against 1.017x.
+Kept: a gain where the step is its collectives, and FSDP2's order (it prefetches in
+backward too). Inductor chains the collectives in the order of this graph (each issued
+after the waits before it), so the order set here is the order every rank issues them in.
+Its scheduler's reordering for peak memory (``reorder_for_peak_memory``) would move each
+gather back next to its use and each reduction's wait next to its issue, so the program is
+compiled with it off (beneath the caller's options:
+``compile={"options": {"reorder_for_peak_memory": True}}`` gives back inductor's
+memory-first order).
 
 Inductor's own passes that move collectives (``reorder_for_compute_comm_overlap``) were
 measured before (``2026-11-26-cpu-compiled-step.md``): they issued every forward gather at
