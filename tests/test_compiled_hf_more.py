@@ -4,9 +4,10 @@ GPT-2 (tied embeddings, Conv1D layers, learned positions) under FULL_SHARD and u
 SHARD_GRAD_OP (``reshard_after_forward=False``), a Qwen2 (tied embeddings, biased q/k/v,
 grouped-query attention) and a Mistral (untied head); with the Policy's clip, micro-batches
 and activation checkpointing, right-padded batches (``attention_mask``, labels -100), and
-Hugging Face's own ``gradient_checkpointing_enable()``. Each compiled run (``aot_eager``)
-trains as its eager step and as one process on the whole batch (torch.optim.AdamW, the same
-lr): losses and full parameters within 1e-5, in one dynamo graph with no graph break.
+Hugging Face's own ``gradient_checkpointing_enable()``. Each compiled run (``aot_eager``;
+three through inductor's program) trains as its eager step and as one process on the whole
+batch (torch.optim.AdamW, the same lr): losses and full parameters within 1e-5, in one
+dynamo graph with no graph break.
 
 Two runs that need more of the compiled step train as one process too: Hugging
 Face's own checkpointing around SDPA (torch tags SDPA ``nondeterministic_seeded`` even at
@@ -126,14 +127,14 @@ def _one_process(build, batches, clip=None):
     return losses, {k: p.detach().clone() for k, p in ref.named_parameters()}
 
 
-def hf_parity(spec, which, policy=None, per_rank=2, padded=False):
+def hf_parity(spec, which, policy=None, per_rank=2, padded=False, compile=None):
     """Model ``which`` compiled and eager (``hf_runs`` under ``fs.Policy(**policy)``) and
     in one process; which of its parameters are tied, how far one process moved them."""
     build = BUILDERS[which]
     batches = [x for x, _ in _batches(STEPS, dist.get_world_size(), per_rank)]
     if padded:
         batches = [_padded(x) for x in batches]
-    out = hf_runs(spec, build, batches, fs.Policy(**(policy or {})), _forward)
+    out = hf_runs(spec, build, batches, fs.Policy(**(policy or {})), _forward, compile)
     out["one"] = _one_process(build, batches, (policy or {}).get("clip_norm"))
     init = build()
     out["tied"] = [n for n, _ in init.named_parameters(remove_duplicate=False)
@@ -168,6 +169,18 @@ def test_compiled_step_trains_a_hugging_face_gpt2_as_one_process(pools):
 def test_compiled_step_trains_qwen2_and_mistral_as_one_process(pools, which):
     pytest.importorskip("transformers")
     _check(pools.run(2, hf_parity, which, timeout=600), TIED[which])
+
+
+@pytest.mark.parametrize("which,policy", [
+    ("gpt2", None), ("qwen2", dict(clip_norm=1.0, accumulate=2)),
+    ("mistral", dict(checkpoint=True))], ids=["gpt2", "qwen2-clip-accumulate",
+                                              "mistral-checkpoint"])
+def test_hugging_face_decoders_in_inductors_program_train_as_one_process(pools, which,
+                                                                        policy):
+    """Compiled by inductor, with the step's pass over its program (the gathers moved
+    ahead, the reductions made all-reduces in place): as the eager step and one process."""
+    pytest.importorskip("transformers")
+    _check(pools.run(2, hf_parity, which, policy, compile=True, timeout=900), TIED[which])
 
 
 def test_compiled_gpt2_under_shard_grad_op_trains_as_one_process(pools):

@@ -290,22 +290,22 @@ def _causal_lm_loss(model, params, ids):
     return fs.call(model, params, input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def hf_runs(spec, build, batches, policy=None, loss=_causal_lm_loss):
-    """A Hugging Face model from ``build`` trained eagerly and compiled (``aot_eager``)
-    under ``policy`` on this rank's rows of each of ``batches`` (a tensor, or a tuple of
-    tensors of as many rows), ``loss(model, params, batch)`` (default: labels = inputs, no
-    cache): per run the losses and full parameters; the compiled run's dynamo graphs and
-    breaks."""
+def hf_runs(spec, build, batches, policy=None, loss=_causal_lm_loss, compile=None):
+    """A Hugging Face model from ``build`` trained eagerly and compiled (``compile``;
+    default ``aot_eager``) under ``policy`` on this rank's rows of each of ``batches`` (a
+    tensor, or a tuple of tensors of as many rows), ``loss(model, params, batch)``
+    (default: labels = inputs, no cache): per run the losses and full parameters; the
+    compiled run's dynamo graphs and breaks."""
     from torch._dynamo.utils import counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, compile in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+    for name, how in (("eager", False), ("compiled", compile or {"backend": "aot_eager"})):
         torch._dynamo.reset()
         counters.clear()
         model = build()
         step = fs.train_step(lambda p, b: loss(model, p, b), fs.optim.adamw(LR),
-                             policy=policy or fs.Policy(), compile=compile)
+                             policy=policy or fs.Policy(), compile=how)
         state = step.init(fs.shard(fs.params(model), mesh(spec)))
         losses = []
         for batch in batches:
@@ -322,10 +322,11 @@ def hf_runs(spec, build, batches, policy=None, loss=_causal_lm_loss):
     return out
 
 
-def llama_parity(spec, steps=3):
-    """A Hugging Face Llama (config in code) compiled, eager and in one process."""
+def llama_parity(spec, steps=3, compile=None):
+    """A Hugging Face Llama (config in code) compiled (``compile``), eager and in one
+    process."""
     batches = _batches(steps, dist.get_world_size())
-    out = hf_runs(spec, _llama, [x for x, _ in batches])
+    out = hf_runs(spec, _llama, [x for x, _ in batches], compile=compile)
     ref = _llama()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses = []
@@ -341,9 +342,10 @@ def llama_parity(spec, steps=3):
     return out
 
 
-def test_compiled_step_trains_a_hugging_face_llama_as_one_process(pools):
+@pytest.mark.parametrize("compile", [None, True], ids=["aot_eager", "inductor"])
+def test_compiled_step_trains_a_hugging_face_llama_as_one_process(pools, compile):
     pytest.importorskip("transformers")
-    for rank, r in enumerate(pools.run(2, llama_parity, timeout=600)):
+    for rank, r in enumerate(pools.run(2, llama_parity, compile=compile, timeout=900)):
         (_, ep), (cl, cp), (ol, op) = r["eager"], r["compiled"], r["one"]
         assert r["breaks"] == 0 and r["graphs"] == 2, (rank, r["breaks"], r["graphs"])
         assert max(abs(a - b) for a, b in zip(cl, ol)) <= 1e-5, (rank, cl, ol)
