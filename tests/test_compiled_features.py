@@ -130,9 +130,11 @@ def frozen_inductor(spec, param_dtype, steps=3):
     return out
 
 
-@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_frozen_and_tied_leaves_under_every_feature_in_inductors_program(pools, param_dtype):
-    for rank, r in enumerate(pools.run(2, frozen_inductor, param_dtype, timeout=900)):
+@pytest.mark.parametrize("spec,param_dtype", [(2, None), (2, torch.bfloat16), ("2x2", None)],
+                         ids=["2-fp32", "2-bf16", "2x2-fp32"])
+def test_frozen_and_tied_leaves_under_every_feature_in_inductors_program(pools, spec,
+                                                                         param_dtype):
+    for rank, r in enumerate(pools.run(spec, frozen_inductor, param_dtype, timeout=900)):
         (el, ep), (cl, cp) = r["eager"], r["compiled"]
         # bfloat16: inductor's kernels round apart from eager ops (as in test_compiled_step)
         tol = (2e-2, 2 * LR * len(cl)) if param_dtype else (1e-5, 1e-5)
