@@ -126,7 +126,8 @@ def varying_lengths(spec, compile, lengths):
 @pytest.mark.parametrize("compile, lengths, graphs", [
     (AOT, LENGTHS, [2, 3, 3, 3, 4]),
     (DYNAMIC, LENGTHS[:3], [2, 3, 3]),  # (dynamic=True compiles more slowly: fewer shapes)
-], ids=["static", "dynamic"])
+    ({"dynamic": True}, LENGTHS[:3], [2, 3, 3]),  # inductor: the step's pass, symbolic sizes
+], ids=["static", "dynamic", "dynamic-inductor"])
 def test_lengths_that_change_and_come_back_reuse_their_programs(pools, compile, lengths,
                                                                  graphs):
     """One program per distinct length, made at that length's first (eager) step and

@@ -188,7 +188,8 @@ def gather_in_place(graph: fx.Graph) -> int:
     eager step's c10d transport does: the shards packed into this rank's segment of the
     gathered buffer (:func:`~funshard.step.packing.pack_into`), which is the collective's
     input and output (``all_gather_into_tensor_out``, as inductor's own bucketing emits
-    it), so no separate input buffer is made and held per gather; returns how many."""
+    it), so no separate input buffer is made and held per gather; returns how many. A
+    pack of symbolic sizes (``dynamic=True``) keeps its gather as traced."""
     if _compat.GATHER_OUT is None:
         return 0
     done = 0
@@ -197,6 +198,8 @@ def gather_in_place(graph: fx.Graph) -> int:
         if getattr(packed, "target", None) is not packing.PACK or len(packed.users) != 1:
             continue
         shards, numels, dtype, _, rank, _ = packed.args
+        if not all(type(x) is int for x in numels):  # a symbolic size (dynamic=True): kept
+            continue
         val, n = ag.meta["val"], sum(numels)
         with graph.inserting_before(packed):
             buf = graph.call_function(packing.PACK_INTO, (shards, numels, dtype, world, rank))
