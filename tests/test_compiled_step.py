@@ -402,6 +402,50 @@ def test_a_loss_fn_that_cannot_be_traced_is_refused_by_name_or_runs_eagerly(pool
         assert "DTensor" in msg and same, r["outside"]
 
 
+def failing_pass(spec):
+    """The step's pass over inductor's program made to fail (a fresh cache key: a cached
+    program would not run it): what the first compiled step raises, and whether the state
+    is as it was."""
+    import os
+
+    from funshard.step import overlap
+
+    def boom(graph, scatter_on_cpu=False):
+        raise ValueError("boom")
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _batches(1, world)[0]
+    mine = (x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+    model = _gpt()
+    saved = overlap.fx_pass, overlap.FxPass.uuid
+    overlap.fx_pass, overlap.FxPass.uuid = boom, lambda self: os.urandom(8).hex()
+    try:
+        step = fs.train_step(_loss(model), fs.optim.sgd(0.1), compile=True)
+        state = step.init(fs.shard(fs.params(_gpt()), mesh(spec)))
+        before = {k: v.clone() for k, v in fs.unshard(state.params).items()}
+        try:
+            step(state, mine)
+            return ("trained", "", False)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            after = fs.unshard(state.params)
+            return (type(e).__name__, str(e)[:3000],
+                    all(torch.equal(before[k], after[k]) for k in before))
+    finally:
+        overlap.fx_pass, overlap.FxPass.uuid = saved
+        torch._dynamo.reset()
+
+
+def test_a_failure_of_the_steps_own_pass_is_named_as_funshards_not_the_loss_fns(pools):
+    """dynamo reports a backend's failure as a loss it could not compile; the step's own
+    pass failing is funshard's bug, and says so (with how to compile without it)."""
+    for kind, msg, same in pools.run(1, failing_pass, timeout=600):
+        assert kind == "RuntimeError", (kind, msg)
+        assert "funshard's pass over inductor's program failed" in msg, msg
+        assert "ValueError: boom" in msg and "post_grad_custom_post_pass" in msg, msg
+        assert "cannot be traced" not in msg and same, msg
+
+
 @pytest.mark.parametrize("bad", [dict(transport="p2p"), dict(transport="cma")], ids=str)
 def test_what_the_compiled_step_does_not_do_yet_is_refused_by_name(bad):
     with pytest.raises(NotImplementedError, match=list(bad)[0]):

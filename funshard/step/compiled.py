@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import _compat, collectives, pytree
-from . import backend, batches, scaling, update
+from . import backend, batches, overlap, scaling, update
 from .call import _NONE, _restore, in_program, recording
 from .params import ParamGroups
 from .program import Program
@@ -258,15 +258,16 @@ class Compiled:
         try:
             return self._run(entry, leaves, bufs, inputs)
         except _compat.DynamoError as e:
+            ours = overlap.failure_in(e)  # the step's own pass failed: funshard's bug, said so
+            why = f"{self.what} cannot be traced as one program" if ours is None else ours.why
             if not self.fallback or not first_part:  # (a part ran: eager would run it again)
-                raise TypeError(
-                    f"{self.where}(compile=True): {self.what} cannot be traced as one "
-                    f"program; the parameters and optimizer state are unchanged. "
-                    f"torch.compile says: {e}\nMake {self.what} traceable, pass "
-                    "compile=False, or compile={'fallback': 'eager'}.") from e
-            warnings.warn(f"{self.where}(compile=True): {self.what} cannot be traced as one "
-                          f"program; these inputs' signature runs eagerly. torch.compile "
-                          f"says: {e}", stacklevel=5)
+                hint = (f"Make {self.what} traceable, pass compile=False, or compile="
+                        "{'fallback': 'eager'}." if ours is None else ours.hint)
+                raise (TypeError if ours is None else RuntimeError)(
+                    f"{self.where}(compile=True): {why}; the parameters and optimizer state "
+                    f"are unchanged. torch.compile says: {e}\n{hint}") from e
+            warnings.warn(f"{self.where}(compile=True): {why}; these inputs' signature runs "
+                          f"eagerly. torch.compile says: {e}", stacklevel=5)
             self.entries[key] = entry._replace(program=None, fn=None)
             return _EAGER
 

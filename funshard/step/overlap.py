@@ -280,6 +280,30 @@ def fx_pass(graph: fx.Graph, scatter_on_cpu: bool = False) -> None:
     graph.lint()
 
 
+class PassFailed(RuntimeError):
+    """:func:`fx_pass` failed on a program: funshard's bug, not the model's (the compiled
+    step says so, where dynamo reports it as a loss it could not compile)."""
+
+    @property
+    def why(self) -> str:
+        return (f"funshard's pass over inductor's program failed ({self}), a funshard bug: "
+                "please report it with the model and Policy")
+
+    hint = ("compile={'options': {'post_grad_custom_post_pass': None}} compiles without the "
+            "pass; compile={'fallback': 'eager'} runs such a program eagerly.")
+
+
+def failure_in(e: BaseException | None) -> PassFailed | None:
+    """The pass's own failure behind dynamo's exception ``e``, if that is what failed."""
+    seen: set = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, PassFailed):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
+    return None
+
+
 class FxPass(_compat.CustomGraphPass or object):
     """:func:`fx_pass` as inductor's custom post-grad pass (its cache key: this file and
     ``scatter_on_cpu``)."""
@@ -288,7 +312,10 @@ class FxPass(_compat.CustomGraphPass or object):
         self.scatter_on_cpu = scatter_on_cpu
 
     def __call__(self, graph: fx.Graph) -> None:
-        fx_pass(graph, self.scatter_on_cpu)
+        try:
+            fx_pass(graph, self.scatter_on_cpu)
+        except Exception as e:  # noqa: BLE001 - named as the pass's, the cause chained
+            raise PassFailed(f"{type(e).__name__}: {e}") from e
 
     def uuid(self) -> str:
         import hashlib
