@@ -4,9 +4,10 @@ on the whole batch (AdamW, global-norm clip, tied and frozen leaves), in one gra
 graph break and no recompile; under FULL_SHARD each group module's gather is recomputed in
 backward (2 all-gathers and 1 reduction per group, counted in inductor's program); a
 ``loss_fn`` dynamo cannot trace is refused by name with the state intact, or runs eagerly
-when the caller asked for that. Numbers tests compile with ``aot_eager`` (AOTAutograd's
+when the caller asked for that, and a failure of the step's own pass over inductor's
+program is named as funshard's. Numbers tests compile with ``aot_eager`` (AOTAutograd's
 graphs run op by op: seconds); the collective counts come from inductor's program, and so
-do the CPU's reductions' numbers against the GPU's."""
+do the CPU's reductions' numbers against the GPU's and a Llama's against one process."""
 
 import gc
 import re
