@@ -295,12 +295,15 @@ class PassFailed(RuntimeError):
 
 def failure_in(e: BaseException | None) -> PassFailed | None:
     """The pass's own failure behind dynamo's exception ``e``, if that is what failed."""
-    seen: set = set()
-    while e is not None and id(e) not in seen:
+    todo, seen = [e], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         if isinstance(e, PassFailed):
             return e
         seen.add(id(e))
-        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
     return None
 
 
