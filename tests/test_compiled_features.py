@@ -76,12 +76,12 @@ VARIANTS = {
 }
 
 
-def variant_parity(spec, variant, steps=4):
+def variant_parity(spec, variant, steps=4, compile=AOT):
     loss_of, kwargs = VARIANTS[variant]
     policy = fs.Policy(clip_norm=1.0, **kwargs)
     batches = _batches(steps, dist.get_world_size(), per_rank=4)
     return {"eager": _run(spec, loss_of, policy, False, batches),
-            "compiled": _run(spec, loss_of, policy, AOT, batches),
+            "compiled": _run(spec, loss_of, policy, compile, batches),
             "one": _one_process(batches)}
 
 
@@ -97,20 +97,12 @@ def test_policy_features_compiled_train_as_eager_and_one_process(pools, spec, va
         assert _max_diff(cp, op) <= 1e-5, (rank, _max_diff(cp, op))
 
 
-def inductor_parity(spec, variant, steps=3):
-    loss_of, kwargs = VARIANTS[variant]
-    policy = fs.Policy(clip_norm=1.0, **kwargs)
-    batches = _batches(steps, dist.get_world_size(), per_rank=4)
-    return {"eager": _run(spec, loss_of, policy, False, batches),
-            "compiled": _run(spec, loss_of, policy, True, batches)}
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_policy_features_in_inductors_program_train_as_the_eager_step(pools, variant):
     """The same features compiled by inductor, with the step's pass over its program (the
     gathers moved ahead, the reductions made all-reduces in place, their waits moved later):
     the numbers are the eager step's."""
-    for rank, r in enumerate(pools.run(2, inductor_parity, variant, timeout=900)):
+    for rank, r in enumerate(pools.run(2, variant_parity, variant, 3, True, timeout=900)):
         (el, ep, _, _), (cl, cp, graphs, breaks) = r["eager"], r["compiled"]
         assert breaks == 0 and graphs == 2, (rank, graphs, breaks)
         assert max(abs(a - b) for a, b in zip(cl, el)) <= 1e-5, (rank, cl, el)
